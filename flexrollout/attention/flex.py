@@ -1,0 +1,71 @@
+"""flex_attention over the paged cache, for packed prefill and for decode.
+
+Decode folds each KV head's GQA group into the query-length axis: q (B, Hq, D) becomes
+(B, Hkv, G, D) attending a single KV head. Every group size works that way (SmolLM2 has 3),
+and flex's fused decode kernel sees no GQA at all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from .reference import dense_view, reference_attention
+
+_compiled_flex = None
+
+
+def _flex(device: torch.device):
+    """The fused (compiled) kernel on CUDA; the reference implementation elsewhere."""
+    global _compiled_flex
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, fullgraph=True)
+    return _compiled_flex
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one forward; built by the runner, read by every layer."""
+
+    positions: torch.Tensor          # (T,) position of each token
+    slot_mapping: torch.Tensor       # (T,) flat KV slot each token's K/V is written to
+    decode: bool                     # one token per sequence (True) or packed prefill (False)
+    block_masks: dict[int | None, BlockMask]   # keyed by sliding window (None = full attention)
+    kernel_options: dict[str, Any] = field(default_factory=dict)
+    # "flex" (fused kernels; CUDA) or "reference" (dense mask_mod evaluation; CPU).
+    backend: str = "flex"
+    _dense: dict = field(default_factory=dict, repr=False)
+
+    def dense(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered slots and mask for the reference backend, built once per step per window."""
+        if window not in self._dense:
+            self._dense[window] = dense_view(self.block_masks[window], self.decode)
+        return self._dense[window]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """q: (T, Hq, D) -> (T, Hq * D), attending the cache through the metadata's block mask."""
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if meta.backend == "reference":
+        slots, mask = meta.dense(window)
+        out = reference_attention(q, k_cache, v_cache, slots, mask, scale, meta.decode)
+        return out.reshape(tokens, num_heads * head_dim)
+    block_mask = meta.block_masks[window]
+    flex = _flex(q.device)
+    opts = meta.kernel_options or None
+    if meta.decode:
+        group = num_heads // num_kv_heads
+        q4 = q.view(tokens, num_kv_heads, group, head_dim)
+        out = flex(q4, k_cache, v_cache, block_mask=block_mask, scale=scale, kernel_options=opts)
+    else:
+        q4 = q.transpose(0, 1).unsqueeze(0)
+        out = flex(q4, k_cache, v_cache, block_mask=block_mask, scale=scale,
+                   enable_gqa=num_heads != num_kv_heads, kernel_options=opts)
+        out = out.squeeze(0).transpose(0, 1)
+    return out.reshape(tokens, num_heads * head_dim)

@@ -1,0 +1,82 @@
+"""One dataclass holds every engine setting; `LLM(**kwargs)` fills it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig:
+    """Sizes and options of one engine. `None` means "derive a sensible value at start-up"."""
+
+    dtype: str | torch.dtype = "auto"
+    seed: int = 0
+    # Longest sequence (prompt + generation). Default: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # Sequences decoded together; graph buckets are built up to this size.
+    max_num_seqs: int = 256
+    # Prompt tokens computed in one prefill step; longer prompts are prefilled in chunks.
+    max_num_batched_tokens: int | None = None
+    # Tokens per KV page. 128 on CUDA matches flex_attention's KV block; 16 elsewhere.
+    page_size: int | None = None
+    # KV pages in the cache (page 0 is reserved for padding). Default: from gpu_memory_utilization
+    # on CUDA, from max_model_len x min(max_num_seqs, 8) capped at cpu_kv_cache_tokens on CPU.
+    num_kv_pages: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_tokens: int = 32768
+    enforce_eager: bool = False
+    # Share the KV pages of identical prompts inside one generate call (GRPO groups).
+    enable_prefix_caching: bool = True
+    device: str | torch.device | None = None
+    # "flex": flex_attention kernels (compiled on CUDA, unfused elsewhere); "reference": the same
+    # masks evaluated densely (fast on CPU); "auto": flex on CUDA, reference elsewhere.
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs",):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "max_num_batched_tokens", "page_size", "num_kv_pages"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_positive_int(name, value)
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if self.attention_backend not in ("auto", "flex", "reference"):
+            raise ValueError("attention_backend must be 'auto', 'flex' or 'reference', "
+                             f"got {self.attention_backend!r}")
+        if self.num_kv_pages is not None and self.num_kv_pages < 2:
+            raise ValueError("num_kv_pages must be >= 2 (page 0 is reserved for padding)")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+def resolve_dtype(dtype: str | torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """vLLM's `dtype` argument: "auto" keeps the weights' dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a str or torch.dtype, got {type(dtype).__name__}")
+    if dtype == "auto":
+        return model_dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")

@@ -1,0 +1,258 @@
+"""The engine loop, written once for every architecture: schedule, run, sample, stop."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention.kv_cache import KVCache
+from ..config import EngineConfig
+from ..outputs import Logprob
+from .detokenizer import append_text, final_text, find_stop_string
+from .page_table import PageTable
+from .runner import ModelRunner
+from .sampler import SamplerOutput, build_sampling_tensors
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters; tests and benchmarks read differences."""
+
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    pages_allocated: int = 0
+
+
+@dataclass
+class ModelConfig:
+    """The subset of vLLM's ModelConfig that clients read."""
+
+    model: str
+    max_model_len: int
+    dtype: torch.dtype
+    enable_sleep_mode: bool = False
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class VllmConfig:
+    model_config: ModelConfig
+    lora_config: object | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, forward, tokenizer, config: EngineConfig, device: torch.device,
+                 dtype: torch.dtype, max_model_len: int, model_name: str) -> None:
+        self.forward = forward
+        self.tokenizer = tokenizer
+        self.config = config
+        self.device = device
+        self.spec = forward.spec()
+        self.max_model_len = max_model_len
+        self.model_config = ModelConfig(model_name, max_model_len, dtype,
+                                        enable_prefix_caching=config.enable_prefix_caching)
+        self.vllm_config = VllmConfig(self.model_config)
+        self.page_size = config.page_size or (128 if device.type == "cuda" else 16)
+        self.max_batched_tokens = config.max_num_batched_tokens or (
+            8192 if device.type == "cuda" else 2048)
+        num_pages = self._num_pages(dtype)
+        self.cache = KVCache(self.spec.layers, num_pages, self.page_size, dtype, device)
+        max_pages_per_seq = -(-max_model_len // self.page_size)
+        self.pages = PageTable(num_pages, self.page_size, config.max_num_seqs, max_pages_per_seq, device)
+        self.scheduler = Scheduler(self.pages, config.max_num_seqs, self.max_batched_tokens)
+        forward.prepare(max_model_len)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "flex" if device.type == "cuda" else "reference"
+        self.runner = ModelRunner(forward, self.cache, self.pages, device, backend)
+        self.stats = EngineStats()
+        page_bytes = KVCache.bytes_per_page(self.spec.layers, self.page_size, dtype)
+        logger.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
+                    self.page_size, (num_pages - 1) * self.page_size, num_pages * page_bytes / 2**20)
+
+    # -- sizing ------------------------------------------------------------------------------
+    def _num_pages(self, dtype: torch.dtype) -> int:
+        """Pages in the cache, page 0 (padding) included."""
+        cfg = self.config
+        if cfg.num_kv_pages is not None:
+            return cfg.num_kv_pages + 1
+        page_bytes = KVCache.bytes_per_page(self.spec.layers, self.page_size, dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Activations, logits and graph pools need room beyond the cache.
+            margin = 2 * 2**30 + cfg.max_num_seqs * self.spec.vocab_size * 4 * 4
+            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - margin
+            pages = budget // page_bytes
+            if pages < 2:
+                raise ValueError(
+                    f"no GPU memory left for the KV cache at gpu_memory_utilization="
+                    f"{cfg.gpu_memory_utilization}; raise it or set num_kv_pages")
+            return int(pages) + 1
+        tokens = min(self.max_model_len * min(cfg.max_num_seqs, 8), cfg.cpu_kv_cache_tokens)
+        return max(-(-tokens // self.page_size), -(-self.max_model_len // self.page_size)) + 1
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.pages.num_pages - 1) * self.page_size
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self, groups: list[list[Sequence]], on_finish=None) -> None:
+        """Generate every sequence of `groups` to completion."""
+        for group in groups:
+            for part in self._fitting_groups(group):
+                self.scheduler.add_group(part)
+        while self.scheduler.has_work():
+            self.step(on_finish)
+
+    def _fitting_groups(self, group: list[Sequence]) -> list[list[Sequence]]:
+        """Split a group whose members cannot be admitted together (slots or pages)."""
+        size = max(1, min(len(group), self.config.max_num_seqs))
+        leader = group[0]
+        partial = int(leader.num_tokens % self.page_size != 0)
+        while size > 1 and self.pages.pages_for(leader.num_tokens) + (size - 1) * partial > \
+                self.pages.num_pages - 1:
+            size //= 2
+        return [group[i:i + size] for i in range(0, len(group), size)]
+
+    def step(self, on_finish=None) -> None:
+        batch = self.scheduler.schedule()
+        if batch.prefill:
+            self._prefill(batch.prefill, on_finish)
+        elif batch.decode:
+            self._decode(batch.decode, on_finish)
+        else:
+            raise RuntimeError("scheduler made no progress: no sequence could be scheduled")
+        self.stats.preemptions = self.scheduler.num_preemptions
+        self.stats.pages_allocated = self.pages.pages_allocated
+
+    def _prefill(self, chunks: list[tuple[Sequence, int]], on_finish) -> None:
+        hidden = self.runner.prefill(chunks)
+        self.stats.prefill_steps += 1
+        rows, samplers = [], []
+        end = 0
+        for seq, count in chunks:
+            start, end = end, end + count
+            if (seq.params.prompt_logprobs is not None and seq.num_computed < seq.num_prompt_tokens
+                    and len(seq.prompt_logprobs or ()) < seq.num_prompt_tokens):
+                self._prompt_logprobs(seq, hidden[start:end])
+            seq.num_computed += count
+            self.stats.prefill_tokens += count
+            if seq.num_computed == seq.num_tokens:
+                members = [seq] + [s for s in self.scheduler.running if s.share_with is seq]
+                rows += [end - 1] * len(members)
+                samplers += members
+        if not rows:
+            return
+        for follower in samplers:
+            if follower.share_with is not None:
+                self._fork(follower)
+        out = self.runner.sample(hidden[rows], build_sampling_tensors(
+            samplers, self.spec.vocab_size, self.device))
+        self._append(samplers, out, on_finish)
+
+    def _fork(self, seq: Sequence) -> None:
+        """A group member takes its leader's prompt KV: shared pages plus a copied last page."""
+        leader = seq.share_with
+        copy = self.pages.fork(leader.slot, seq.slot, leader.num_computed)
+        if copy is not None:
+            src, dst = (torch.tensor([p], device=self.device) for p in copy)
+            self.cache.copy_pages(src, dst)
+        seq.num_computed = seq.num_cached = leader.num_computed
+        seq.prompt_logprobs = leader.prompt_logprobs
+        seq.share_with = None
+
+    def _decode(self, seqs: list[Sequence], on_finish) -> None:
+        hidden = self.runner.decode(seqs)
+        self.stats.decode_steps += 1
+        for seq in seqs:
+            seq.num_computed = seq.num_tokens
+        out = self.runner.sample(hidden, build_sampling_tensors(seqs, self.spec.vocab_size, self.device))
+        self._append(seqs, out, on_finish)
+
+    # -- after sampling ----------------------------------------------------------------------
+    def _append(self, seqs: list[Sequence], out: SamplerOutput, on_finish) -> None:
+        token_ids = out.token_ids.tolist()          # the one device -> host transfer per step
+        extras = self._logprob_rows(out)
+        for row, (seq, token) in enumerate(zip(seqs, token_ids)):
+            seq.token_ids.append(token)
+            self.stats.generated_tokens += 1
+            if seq.params.logprobs is not None:
+                self._record_logprobs(seq, token, extras, row)
+            if self._check_stop(seq, token):
+                self.scheduler.finish(seq)
+                if on_finish is not None:
+                    on_finish(seq)
+
+    @staticmethod
+    def _logprob_rows(out: SamplerOutput):
+        if out.logprobs is None:
+            return None
+        top = (out.top_ids.tolist(), out.top_logprobs.tolist()) if out.top_ids is not None else None
+        return out.logprobs.tolist(), out.ranks.tolist(), top
+
+    def _record_logprobs(self, seq: Sequence, token: int, extras, row: int) -> None:
+        sampled_lp, ranks, top = extras
+        entry = {token: Logprob(sampled_lp[row], ranks[row], self._token_text(token))}
+        k = seq.params.logprobs
+        if top is not None and k > 0:
+            for rank, (tid, value) in enumerate(zip(top[0][row][:k], top[1][row][:k]), start=1):
+                entry.setdefault(tid, Logprob(value, rank, self._token_text(tid)))
+        if seq.logprobs is None:
+            seq.logprobs = []
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += sampled_lp[row]
+
+    def _token_text(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """Raw log-softmax (no temperature or penalties) of each prompt token given its prefix."""
+        start = seq.num_computed
+        targets = seq.token_ids[start + 1:min(start + hidden.shape[0] + 1, seq.num_prompt_tokens)]
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]
+        if not targets:
+            return
+        logprobs = self.runner.logits(hidden[:len(targets)]).log_softmax(dim=-1)
+        target_t = torch.tensor(targets, device=logprobs.device)
+        chosen = logprobs.gather(1, target_t[:, None]).squeeze(1)
+        ranks = (logprobs > chosen[:, None]).sum(-1) + 1
+        k = seq.params.prompt_logprobs
+        top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+        for i, token in enumerate(targets):
+            entry = {token: Logprob(chosen[i].item(), int(ranks[i]), self._token_text(token))}
+            if k > 0:
+                for rank, (tid, value) in enumerate(zip(top_ids[i].tolist(), top_lp[i].tolist()), 1):
+                    entry.setdefault(tid, Logprob(value, rank, self._token_text(tid)))
+            seq.prompt_logprobs.append(entry)
+
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        params = seq.params
+        stopped_by_token = token in seq.stop_ids
+        if stopped_by_token:
+            seq.finish_reason = "stop"
+            seq.stop_reason = token if token in (params.stop_token_ids or ()) else None
+        elif params.stop and params.detokenize:
+            new_text = append_text(self.tokenizer, seq)
+            hit = find_stop_string(seq, len(new_text)) if new_text else None
+            if hit is not None and seq.num_generated >= params.min_tokens:
+                stop, index = hit
+                seq.text = seq.text[:index + (len(stop) if params.include_stop_str_in_output else 0)]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+        if seq.finish_reason is None and (seq.num_generated >= seq.max_tokens
+                                          or seq.num_tokens >= self.max_model_len):
+            seq.finish_reason = "length"
+        if seq.finish_reason is None:
+            return False
+        if params.detokenize and self.tokenizer is not None:
+            seq.text = final_text(self.tokenizer, seq, stopped_by_token)
+        return True

@@ -1,0 +1,89 @@
+"""One prefill step and one decode step: host lists in, sampled tokens out.
+
+The runner owns the KV cache and builds the attention metadata from the page table. It knows
+nothing about any architecture beyond the `ModelSpec` the forward class gives it.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..attention.flex import AttentionMetadata
+from ..attention.kv_cache import KVCache
+from ..attention.masks import decode_block_mask, prefill_block_mask, prefill_page_lists
+from .page_table import PageTable
+from .sampler import SamplerOutput, SamplingTensors, sample
+from .sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, forward, cache: KVCache, pages: PageTable, device: torch.device,
+                 backend: str) -> None:
+        self.backend = backend
+        self.forward = forward
+        self.cache = cache
+        self.pages = pages
+        self.device = device
+        spec = forward.spec()
+        self.windows = sorted({s.window for s in spec.layers}, key=lambda w: (w is not None, w))
+        self.kv_len = pages.num_pages * pages.page_size
+        first = spec.layers[0]
+        self.decode_group = forward.num_heads // first.num_kv_heads
+
+    def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _slots(self, seq: Sequence, start: int, count: int) -> list[int]:
+        pages, size = self.pages.pages[seq.slot], self.pages.page_size
+        return [pages[p // size] * size + p % size for p in range(start, start + count)]
+
+    @torch.inference_mode()
+    def prefill(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Compute KV for each chunk; return final hidden rows of every token (T, H)."""
+        ids, positions, slot_map, q_slot, layout = [], [], [], [], []
+        for seq, count in chunks:
+            start = seq.num_computed
+            ids += seq.token_ids[start:start + count]
+            positions += range(start, start + count)
+            slot_map += self._slots(seq, start, count)
+            q_slot += [seq.slot] * count
+            layout.append((self.pages.pages[seq.slot], start, count))
+        self.pages.flush()
+        q_slot_t, pos_t = self._tensor(q_slot), self._tensor(positions)
+        masks = {}
+        for window in self.windows:
+            lists, width = prefill_page_lists(layout, len(ids), self.pages.page_size, window)
+            kv_indices = torch.zeros(len(lists), max(width, 1), dtype=torch.int32)
+            for row, pages in enumerate(lists):
+                kv_indices[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            num_blocks = torch.tensor([len(x) for x in lists], dtype=torch.int32)
+            masks[window] = prefill_block_mask(
+                self.pages.table, q_slot_t, pos_t, self.pages.page_logical, self.pages.page_size,
+                self.kv_len, kv_indices.to(self.device), num_blocks.to(self.device), window)
+        meta = AttentionMetadata(pos_t, self._tensor(slot_map), decode=False, block_masks=masks,
+                                 backend=self.backend)
+        return self.forward.forward(self._tensor(ids), meta, self.cache)
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per sequence: the last one, not yet in the cache. Returns hidden (B, H)."""
+        self.pages.flush()
+        size = self.pages.page_size
+        positions = [seq.num_tokens - 1 for seq in seqs]
+        ids = [seq.token_ids[-1] for seq in seqs]
+        slot_map = [self._slots(seq, pos, 1)[0] for seq, pos in zip(seqs, positions)]
+        pos_t = self._tensor(positions)
+        rows = self.pages.table[self._tensor([seq.slot for seq in seqs])]
+        num_pages = self._tensor([p // size + 1 for p in positions], torch.int32)
+        masks = {w: decode_block_mask(rows, num_pages, pos_t, self.pages.page_logical, size,
+                                      self.decode_group, self.kv_len, w) for w in self.windows}
+        meta = AttentionMetadata(pos_t, self._tensor(slot_map), decode=True, block_masks=masks,
+                                 backend=self.backend)
+        return self.forward.forward(self._tensor(ids), meta, self.cache)
+
+    @torch.inference_mode()
+    def sample(self, hidden: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
+        return sample(self.forward.logits(hidden), st)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.forward.logits(hidden)

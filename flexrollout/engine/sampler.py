@@ -1,0 +1,188 @@
+"""Logits processing, sampling and logprobs, vectorised over the batch on the device.
+
+Order (per row): allowed_token_ids / bad words / logit_bias / min_tokens masks, then
+repetition, frequency and presence penalties, then temperature. The *processed* logprobs
+reported to the user are log_softmax of those logits (vLLM's `processed_logprobs`): they include
+temperature and penalties, and they do NOT include top-k / top-p / min-p truncation, which
+matches what TRL recomputes for its importance-sampling correction. Truncation then masks the
+logits, and a token is drawn by the Gumbel-max trick (exact sampling from the truncated softmax).
+
+The Gumbel noise is a counter-based hash of (row seed, position, token id): a seeded request
+draws the same tokens whatever else shares its batch and whatever slot it sits in, and nothing
+in here needs a host sync or a data-dependent shape, so it can live inside a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, V) standard Gumbel noise, a pure function of (seed, counter, token id)."""
+    row = _mix32((seeds & _MASK32) ^ _mix32(((seeds >> 32) & _MASK32) ^ 0x9E3779B9))
+    row = _mix32((row + counters * 0x632BE5AB) & _MASK32)
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _mix32((row[:, None] ^ (ids[None, :] * 0x2545F491 & _MASK32)) & _MASK32)
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(uniform))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings for one step, built on the host by `build_sampling_tensors`."""
+
+    temperature: torch.Tensor        # (B,) float; rows with 0 are greedy
+    top_k: torch.Tensor              # (B,) int64; vocab size when off
+    top_p: torch.Tensor              # (B,) float
+    min_p: torch.Tensor              # (B,) float
+    seeds: torch.Tensor              # (B,) int64
+    counters: torch.Tensor           # (B,) int64: position of the token being drawn
+    bias: torch.Tensor | None        # (B, V) additive (logit_bias, bans) or None
+    penalties: tuple | None          # (rep, freq, pres, counts, prompt_mask) or None
+    need_truncation: bool            # any row uses top-k / top-p / min-p
+    all_greedy: bool
+    max_logprobs: int                # largest `logprobs` k in the batch; -1 when none asked
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor          # (B,)
+    logprobs: torch.Tensor | None    # (B,) processed logprob of the sampled token
+    ranks: torch.Tensor | None       # (B,) its rank (1 = most likely)
+    top_ids: torch.Tensor | None     # (B, k)
+    top_logprobs: torch.Tensor | None
+
+
+def apply_penalties(logits: torch.Tensor, penalties: tuple) -> torch.Tensor:
+    """HF's repetition penalty over prompt + output tokens; vLLM's frequency/presence over output."""
+    rep, freq, pres, counts, prompt_mask = penalties
+    seen = (counts > 0) | prompt_mask
+    scaled = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+    logits = torch.where(seen, scaled, logits)
+    return logits - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
+
+
+def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+             min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens outside top-k, the top-p nucleus and the min-p floor with -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    probs = sorted_logits.softmax(dim=-1)
+    # A token stays in the nucleus while the mass strictly before it is below top_p.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = (ranks >= top_k[:, None]) | (mass_before >= top_p[:, None])
+    drop = drop | (probs < min_p[:, None] * probs[:, :1])
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
+    """logits: (B, V) fp32 -> sampled ids (and logprobs when asked)."""
+    if st.bias is not None:
+        logits = logits + st.bias
+    if st.penalties is not None:
+        logits = apply_penalties(logits, st.penalties)
+    greedy = st.temperature == 0
+    temperature = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    logits = logits / temperature[:, None]
+
+    lp = top_ids = top_lp = ranks = None
+    if st.max_logprobs >= 0:
+        logprobs_full = logits.log_softmax(dim=-1)
+    if st.all_greedy:
+        token_ids = logits.argmax(dim=-1)
+    else:
+        sample_logits = truncate(logits, st.top_k, st.top_p, st.min_p) if st.need_truncation else logits
+        noisy = sample_logits + gumbel_noise(st.seeds, st.counters, logits.shape[-1])
+        token_ids = torch.where(greedy, logits.argmax(dim=-1), noisy.argmax(dim=-1))
+    if st.max_logprobs >= 0:
+        lp = logprobs_full.gather(1, token_ids[:, None]).squeeze(1)
+        ranks = (logprobs_full > lp[:, None]).sum(dim=-1) + 1
+        if st.max_logprobs > 0:
+            top_lp, top_ids = logprobs_full.topk(st.max_logprobs, dim=-1)
+    return SamplerOutput(token_ids, lp, ranks, top_ids, top_lp)
+
+
+def _bias_rows(seqs, vocab: int) -> torch.Tensor | None:
+    """Additive (B, V) row biases: allowed_token_ids, bad words, logit_bias, min_tokens bans."""
+    rows = []
+    for seq in seqs:
+        p = seq.params
+        bans = seq.banned_next_tokens()
+        holding_stop = seq.num_generated < p.min_tokens
+        if not (p.allowed_token_ids or p.logit_bias or bans or holding_stop):
+            rows.append(None)
+            continue
+        row = torch.zeros(vocab)
+        if p.allowed_token_ids:
+            row.fill_(float("-inf"))
+            row[list(p.allowed_token_ids)] = 0.0
+        for token, value in (p.logit_bias or {}).items():
+            row[int(token)] += float(value)
+        banned = list(bans) + (list(seq.stop_ids) if holding_stop else [])
+        if banned:
+            row[banned] = float("-inf")
+        rows.append(row)
+    if all(r is None for r in rows):
+        return None
+    zero = torch.zeros(vocab)
+    return torch.stack([zero if r is None else r for r in rows])
+
+
+def _penalty_state(seqs, vocab: int, device: torch.device) -> tuple | None:
+    params = [s.params for s in seqs]
+    if all(p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+           for p in params):
+        return None
+    counts = torch.zeros(len(seqs), vocab)
+    prompt_mask = torch.zeros(len(seqs), vocab, dtype=torch.bool)
+    for row, seq in enumerate(seqs):
+        generated = torch.tensor(seq.generated_ids, dtype=torch.long)
+        counts[row].index_add_(0, generated, torch.ones(len(generated)))
+        prompt_mask[row, torch.tensor(seq.token_ids[:seq.num_prompt_tokens], dtype=torch.long)] = True
+    rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+    return tuple(t.to(device) for t in (rep, freq, pres, counts, prompt_mask))
+
+
+def build_sampling_tensors(seqs, vocab: int, device: torch.device) -> SamplingTensors:
+    """Per-row settings of the sequences about to draw their next token."""
+    params = [s.params for s in seqs]
+    top_k = [p.top_k if p.top_k and p.top_k > 0 else vocab for p in params]
+    top_p = [float(p.top_p) for p in params]
+    min_p = [float(p.min_p) for p in params]
+    temperature = [float(p.temperature) for p in params]
+    need_truncation = any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p) or any(min_p)
+    logprob_ks = [p.logprobs for p in params if p.logprobs is not None]
+    bias = _bias_rows(seqs, vocab)
+
+    def tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return SamplingTensors(
+        temperature=tensor(temperature, torch.float32),
+        top_k=tensor(top_k, torch.int64),
+        top_p=tensor(top_p, torch.float32),
+        min_p=tensor(min_p, torch.float32),
+        seeds=tensor([s.seed for s in seqs], torch.int64),
+        counters=tensor([s.num_tokens for s in seqs], torch.int64),
+        bias=None if bias is None else bias.to(device),
+        penalties=_penalty_state(seqs, vocab, device),
+        need_truncation=need_truncation,
+        all_greedy=all(t == 0 for t in temperature),
+        max_logprobs=max(logprob_ks, default=-1),
+    )

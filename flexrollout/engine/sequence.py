@@ -1,0 +1,66 @@
+"""Per-sequence state: one prompt sample being generated."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ..sampling_params import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"        # no slot; (re)prefill pending
+    RUNNING = "running"        # holds a slot and pages
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_index: int                 # position of its request in the generate() call
+    sample_index: int                  # 0..n-1 within the request
+    token_ids: list[int]               # prompt followed by generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_tokens: int                    # generation limit after capping at max_model_len
+    seed: int                          # sampling seed (per sample; see sampler)
+    stop_ids: frozenset[int] = frozenset()
+    status: Status = Status.WAITING
+    slot: int = 0
+    num_computed: int = 0              # tokens whose KV is in the cache
+    num_cached: int = 0                # prompt tokens whose KV was reused, not computed
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict] | None = None
+    prompt_logprobs: list | None = None
+    cumulative_logprob: float = 0.0
+    text: str = ""                     # detokenized output, kept only when stop strings need it
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    detok_offsets: tuple[int, int] = (0, 0)   # incremental detokenizer's (prefix, read) offsets
+    share_with: "Sequence | None" = field(default=None, repr=False)   # group leader whose prompt KV it reuses
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until every known token (prompt, and generated ones after a preemption) is cached."""
+        return self.num_computed < self.num_tokens - 1 or self.num_computed == 0
+
+    def banned_next_tokens(self) -> list[int]:
+        """Last tokens of bad words whose other tokens end the output so far (vLLM's rule)."""
+        banned = []
+        generated = self.generated_ids
+        for word in self.bad_words_ids:
+            prefix = word[:-1]
+            if not prefix or (len(generated) >= len(prefix) and generated[-len(prefix):] == prefix):
+                banned.append(word[-1])
+        return banned

@@ -1,0 +1,306 @@
+"""`LLM`: vLLM's offline API over flexrollout's engine."""
+from __future__ import annotations
+
+import logging
+import random
+from itertools import count
+
+import torch
+
+from .config import EngineConfig, resolve_dtype
+from .engine.engine import LLMEngine
+from .engine.sequence import Sequence
+from .lora_request import LoRARequest
+from .models import build_forward, unwrap_peft
+from .outputs import CompletionOutput, RequestOutput
+from .prompts import Prompt, check_tokens, split_prompts, to_prompt
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# vLLM keyword arguments that change nothing here when they hold these values.
+_MUST_EQUAL = {
+    "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
+    "quantization": None, "kv_cache_dtype": "auto", "cpu_offload_gb": 0,
+    "logprobs_mode": "processed_logprobs", "speculative_config": None,
+}
+# vLLM keyword arguments renamed into EngineConfig.
+_RENAMED = {"block_size": "page_size", "num_gpu_blocks_override": "num_kv_pages"}
+# vLLM keyword arguments that have no meaning for an in-process engine over shared weights.
+_IGNORED = {
+    "trust_remote_code", "revision", "tokenizer_revision", "tokenizer_mode", "skip_tokenizer_init",
+    "download_dir", "load_format", "swap_space", "disable_log_stats", "disable_custom_all_reduce",
+    "distributed_executor_backend", "model_impl", "enable_chunked_prefill", "max_seq_len_to_capture",
+    "compilation_config", "worker_extension_cls", "max_logprobs", "enable_lora", "max_lora_rank",
+    "max_loras", "max_cpu_loras", "lora_dtype", "enable_sleep_mode", "hf_overrides",
+    "served_model_name", "allowed_local_media_path", "limit_mm_per_prompt", "async_scheduling",
+    "disable_async_output_proc", "use_v2_block_manager", "num_scheduler_steps", "enable_prefix_caching",
+}
+
+
+class LLM:
+    """Generate with a Hugging Face causal LM through flex_attention over a paged KV cache.
+
+    `model` is a hub id / local directory (loaded with transformers; `gguf_file=` passes through)
+    or a `PreTrainedModel` / `PeftModel` already in memory, whose parameters are used as they
+    are: no copy, no change to its modules.
+    """
+
+    def __init__(self, model, tokenizer=None, dtype="auto", seed: int = 0,
+                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, enforce_eager: bool = False,
+                 enable_sleep_mode: bool = False, enable_lora: bool = False, max_lora_rank: int = 16,
+                 enable_prefix_caching: bool = True, gguf_file: str | None = None, **kwargs) -> None:
+        engine_kwargs = self._engine_kwargs(kwargs)
+        self.config = EngineConfig(
+            dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching, **engine_kwargs)
+        self.model, self.tokenizer, model_name = self._load(model, tokenizer, gguf_file, kwargs)
+        hf = unwrap_peft(self.model)
+        param = next(hf.parameters())
+        run_dtype = resolve_dtype(dtype, param.dtype)
+        if run_dtype != param.dtype:
+            raise ValueError(f"dtype={dtype!r} differs from the in-memory model's {param.dtype}; "
+                             f"flexrollout never copies weights, so cast the model itself or pass 'auto'")
+        forward = build_forward(self.model, run_dtype)
+        spec = forward.spec()
+        model_len = max_model_len or spec.max_position_embeddings
+        device = torch.device(self.config.device) if self.config.device else param.device
+        self.llm_engine = LLMEngine(forward, self.tokenizer, self.config, device, run_dtype,
+                                    model_len, model_name)
+        self.llm_engine.model_config.enable_sleep_mode = bool(enable_sleep_mode)
+        self._eos_ids = self._eos_token_ids(hf)
+        self._rng = random.Random(seed)
+        self._request_ids = count()
+
+    # -- construction helpers ----------------------------------------------------------------
+    @staticmethod
+    def _engine_kwargs(kwargs: dict) -> dict:
+        out = {}
+        for name, value in kwargs.items():
+            if name in _MUST_EQUAL:
+                if value != _MUST_EQUAL[name] and not (name == "quantization" and value in ("", "none")):
+                    raise ValueError(f"{name}={value!r} is not supported by flexrollout "
+                                     f"(supported: {_MUST_EQUAL[name]!r})")
+            elif name in _RENAMED:
+                if value is not None:
+                    out[_RENAMED[name]] = value
+            elif name in EngineConfig.field_names():
+                out[name] = value
+            elif name in _IGNORED or name.startswith("disable_"):
+                logger.info("ignoring vLLM argument %s=%r (no effect in flexrollout)", name, value)
+            else:
+                raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
+        return out
+
+    @staticmethod
+    def _load(model, tokenizer, gguf_file, kwargs):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if isinstance(model, torch.nn.Module):
+            if tokenizer is None:
+                path = getattr(unwrap_peft(model).config, "_name_or_path", None)
+                tokenizer = AutoTokenizer.from_pretrained(path) if path else None
+            elif isinstance(tokenizer, str):
+                tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            name = getattr(unwrap_peft(model).config, "_name_or_path", "") or type(model).__name__
+            return model, tokenizer, name
+        if not isinstance(model, str):
+            raise TypeError(f"model must be a str or a torch.nn.Module, got {type(model).__name__}")
+        extra = {k: kwargs[k] for k in ("trust_remote_code", "revision") if k in kwargs}
+        if gguf_file is not None:
+            extra["gguf_file"] = gguf_file
+        dtype = kwargs.get("dtype", "auto")
+        loaded = AutoModelForCausalLM.from_pretrained(model, dtype="auto", **extra)
+        if isinstance(tokenizer, str) or tokenizer is None:
+            tok_extra = {"gguf_file": gguf_file} if gguf_file and tokenizer is None else {}
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer or model, **tok_extra)
+        del dtype
+        return loaded, tokenizer, model
+
+    def _eos_token_ids(self, hf) -> frozenset[int]:
+        ids = set()
+        gen = getattr(hf, "generation_config", None)
+        for source in (getattr(gen, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source is not None:
+                ids.update(int(t) for t in source)
+        return frozenset(ids)
+
+    # -- public API --------------------------------------------------------------------------
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def set_tokenizer(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.llm_engine.tokenizer = tokenizer
+
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None,
+                 **kwargs) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in input order."""
+        if kwargs.get("prompt_token_ids") is not None:      # vLLM 0.x keyword form
+            prompts = [{"prompt_token_ids": ids} for ids in kwargs.pop("prompt_token_ids")]
+        if kwargs:
+            raise TypeError(f"generate() got unexpected keyword arguments {sorted(kwargs)}")
+        items = split_prompts(prompts)
+        params = self._params_list(sampling_params, len(items))
+        self._check_lora(lora_request)
+        parsed = [to_prompt(p, self.tokenizer, i) for i, p in enumerate(items)]
+        requests = [self._prepare(i, prompt, sp) for i, (prompt, sp) in enumerate(zip(parsed, params))]
+        return self._run(parsed, requests, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm=True, lora_request=None,
+             chat_template=None, add_generation_prompt=True, continue_final_message=False,
+             chat_template_kwargs=None, tools=None, **kwargs) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list, then generate."""
+        if isinstance(messages, str) or not isinstance(messages, (list, tuple)):
+            raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) "
+                            f"or a list of conversations, got {type(messages).__name__}")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not conversations:
+            return []
+        prompts = []
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
+                raise TypeError(f"messages[{i}] must be a list of message dicts")
+            text = self.tokenizer.apply_chat_template(
+                list(conv), tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                tools=tools, **(chat_template_kwargs or {}))
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    # -- request preparation -----------------------------------------------------------------
+    @staticmethod
+    def _params_list(sampling_params, num_prompts: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != num_prompts:
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
+                                 f"{num_prompts} prompts; pass one or one per prompt")
+            for i, sp in enumerate(sampling_params):
+                if not isinstance(sp, SamplingParams):
+                    raise TypeError(f"sampling_params[{i}] must be a SamplingParams, "
+                                    f"got {type(sp).__name__}")
+            return list(sampling_params)
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                        f"got {type(sampling_params).__name__}")
+
+    @staticmethod
+    def _check_lora(lora_request) -> None:
+        if lora_request is not None and not isinstance(lora_request, (LoRARequest, list)):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if lora_request is not None:
+            raise NotImplementedError("lora_request is not supported yet; LoRA layers of an "
+                                      "in-memory PEFT model are read live without it")
+
+    def _prepare(self, index: int, prompt: Prompt, params: SamplingParams) -> dict:
+        engine = self.llm_engine
+        vocab = engine.spec.vocab_size
+        truncate = params.truncate_prompt_tokens
+        if truncate is not None:
+            keep = engine.max_model_len if truncate == -1 else truncate
+            prompt.token_ids = prompt.token_ids[-keep:]
+        check_tokens(prompt, vocab, engine.max_model_len, index)
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or () if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"sampling_params.{name} has ids outside [0, {vocab}): {bad[:5]}")
+        bad = [t for t in params.logit_bias or {} if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"sampling_params.logit_bias has ids outside [0, {vocab}): {bad[:5]}")
+        room = engine.max_model_len - len(prompt.token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        needed = len(prompt.token_ids) + max_tokens
+        if needed > engine.capacity_tokens:
+            raise ValueError(
+                f"prompts[{index}] needs {needed} KV tokens (prompt {len(prompt.token_ids)} + "
+                f"max_tokens {max_tokens}) but the cache holds {engine.capacity_tokens}; lower "
+                f"max_tokens or raise num_kv_pages / gpu_memory_utilization")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("sampling_params.stop needs a tokenizer")
+        return {"params": params, "max_tokens": max_tokens}
+
+    def _bad_words(self, params: SamplingParams) -> list[list[int]]:
+        if not params.bad_words:
+            return []
+        copy = params.clone()
+        copy.update_from_tokenizer(self.tokenizer)
+        return [list(w) for w in copy.bad_words_token_ids or []]
+
+    def _sequences(self, index: int, prompt: Prompt, request: dict) -> list[Sequence]:
+        params = request["params"]
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= self._eos_ids
+        bad_words = self._bad_words(params)
+        seqs = []
+        for sample in range(params.n):
+            if params.seed is not None:
+                seed = (params.seed + sample * 0x9E3779B97F4A7C15) % (1 << 63)
+            else:
+                seed = self._rng.getrandbits(63)
+            seqs.append(Sequence(
+                seq_id=next(self._request_ids), request_index=index, sample_index=sample,
+                token_ids=list(prompt.token_ids), num_prompt_tokens=len(prompt.token_ids),
+                params=params, max_tokens=request["max_tokens"], seed=seed,
+                stop_ids=frozenset(stop_ids), bad_words_ids=bad_words))
+        return seqs
+
+    def _groups(self, per_request: list[list[Sequence]]) -> list[list[Sequence]]:
+        """Samples of one prompt, and identical prompts in this call, share one prefill."""
+        if not self.config.enable_prefix_caching:
+            return [[s] for seqs in per_request for s in seqs]
+        groups: dict[tuple, list[Sequence]] = {}
+        for seqs in per_request:
+            for seq in seqs:
+                # prompt_logprobs are computed by the leader only; keep such requests alone.
+                key = (tuple(seq.token_ids),) if seq.params.prompt_logprobs is None else (seq.seq_id,)
+                groups.setdefault(key, []).append(seq)
+        return list(groups.values())
+
+    def _run(self, prompts: list[Prompt], requests: list[dict], use_tqdm: bool) -> list[RequestOutput]:
+        per_request = [self._sequences(i, p, r) for i, (p, r) in enumerate(zip(prompts, requests))]
+        remaining = [len(s) for s in per_request]
+        bar = _progress(len(per_request), use_tqdm)
+
+        def on_finish(seq: Sequence) -> None:
+            remaining[seq.request_index] -= 1
+            if remaining[seq.request_index] == 0 and bar is not None:
+                bar.update(1)
+
+        try:
+            self.llm_engine.run(self._groups(per_request), on_finish)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [self._output(p, seqs) for p, seqs in zip(prompts, per_request)]
+
+    @staticmethod
+    def _output(prompt: Prompt, seqs: list[Sequence]) -> RequestOutput:
+        completions = [CompletionOutput(
+            index=s.sample_index, text=s.text, token_ids=s.generated_ids,
+            cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+            logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+            for s in seqs]
+        return RequestOutput(
+            request_id=str(seqs[0].seq_id), prompt=prompt.text, prompt_token_ids=prompt.token_ids,
+            prompt_logprobs=seqs[0].prompt_logprobs, outputs=completions, finished=True,
+            num_cached_tokens=max(s.num_cached for s in seqs))
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled or total == 0:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+
+FlexEngine = LLM

@@ -1,0 +1,27 @@
+"""Architecture registry: HF `model_type` -> forward class."""
+from __future__ import annotations
+
+import torch
+
+from .llama import LlamaForward
+
+_FORWARDS = {
+    "llama": LlamaForward,
+    "qwen3": LlamaForward,
+    "qwen2": LlamaForward,
+}
+
+
+def unwrap_peft(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PeftModel wrapper (LoRA layers stay in place)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def build_forward(model: torch.nn.Module, dtype: torch.dtype):
+    hf = unwrap_peft(model)
+    model_type = getattr(hf.config, "model_type", None)
+    if model_type not in _FORWARDS:
+        raise NotImplementedError(
+            f"model_type {model_type!r} is not supported yet; supported: {sorted(_FORWARDS)}")
+    return _FORWARDS[model_type](hf, dtype)

@@ -1,0 +1,86 @@
+"""What an architecture tells the engine, and the small ops every forward shares.
+
+An architecture file holds only forward math over the user's own HF parameters. It describes
+its layers with `LayerSpec`s so the engine can size the KV cache and build masks without knowing
+the architecture: per-layer attention kind, window, KV heads and head_dim, and KV reuse.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """The KV-cache needs of one decoder layer."""
+
+    num_kv_heads: int
+    head_dim: int
+    # "full" or "sliding"; linear-attention layers (no KV pages) will say "linear".
+    attention: str = "full"
+    # Sliding window in tokens, the current token included (kv > q - window).
+    window: int | None = None
+    # Index of an earlier layer whose KV this layer reads instead of writing its own.
+    kv_source: int | None = None
+
+
+@dataclass
+class ModelSpec:
+    """Architecture facts the engine loop needs."""
+
+    layers: list[LayerSpec]
+    vocab_size: int
+    hidden_size: int
+    max_position_embeddings: int
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama/Qwen3 RMSNorm: normalise in fp32, cast back, then `weight * x` (HF's order)."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotate-half RoPE. x: (T, heads, head_dim); cos/sin: (T, head_dim) in x's dtype."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def rope_tables(inv_freq: torch.Tensor, scaling: float, max_len: int, dtype: torch.dtype):
+    """cos/sin for every position, computed in fp32 as HF does, then cast once."""
+    positions = torch.arange(max_len, device=inv_freq.device, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """`module(x)` computed from its parameters, reading through a PEFT LoRA wrapper live.
+
+    A LoRA layer's output is `W x + b + sum_adapters scaling * B(A x)`, taken from PEFT's own
+    tensors so an optimizer step is visible at the next call.
+    """
+    base = getattr(module, "base_layer", None)
+    if base is None:
+        return F.linear(x, module.weight, module.bias)
+    out = F.linear(x, base.weight, base.bias)
+    if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
+        return out
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        if module.use_dora.get(name, False):
+            raise NotImplementedError("DoRA adapters (use_dora=True) are not supported yet")
+        lora_a, lora_b = module.lora_A[name], module.lora_B[name]
+        delta = F.linear(F.linear(x.to(lora_a.weight.dtype), lora_a.weight), lora_b.weight)
+        out = out + (delta * module.scaling[name]).to(out.dtype)
+    return out
