@@ -14,17 +14,34 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .reference import dense_view, reference_attention
 
-_compiled_flex = None
+_compiled: dict[bool, object] = {}
 
 
-def _flex(device: torch.device):
-    """The fused (compiled) kernel on CUDA; the reference implementation elsewhere."""
-    global _compiled_flex
+# Two code objects, so the static (decode) and dynamic (prefill) compilations keep separate caches.
+def _flex_decode(*args, **kwargs):
+    return flex_attention(*args, **kwargs)
+
+
+def _flex_prefill(*args, **kwargs):
+    return flex_attention(*args, **kwargs)
+
+
+def _flex(device: torch.device, decode: bool):
+    """The fused (compiled) kernels on CUDA; flex's unfused reference elsewhere.
+
+    Decode compiles with static shapes, one specialisation per graph bucket, because flex picks
+    its fused decode kernel only for a static batch. Prefill shapes vary with packing: dynamic.
+    """
     if device.type != "cuda":
         return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, fullgraph=True)
-    return _compiled_flex
+    if decode not in _compiled:
+        # One decode specialisation per batch bucket must not hit dynamo's recompile limit.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, 512)
+        wrapper = _flex_decode if decode else _flex_prefill
+        _compiled[decode] = torch.compile(wrapper, fullgraph=True, dynamic=not decode)
+    return _compiled[decode]
 
 
 @dataclass
@@ -57,7 +74,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = reference_attention(q, k_cache, v_cache, slots, mask, scale, meta.decode)
         return out.reshape(tokens, num_heads * head_dim)
     block_mask = meta.block_masks[window]
-    flex = _flex(q.device)
+    flex = _flex(q.device, meta.decode)
     opts = meta.kernel_options or None
     if meta.decode:
         group = num_heads // num_kv_heads

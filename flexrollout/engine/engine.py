@@ -9,10 +9,11 @@ import torch
 from ..attention.kv_cache import KVCache
 from ..config import EngineConfig
 from ..outputs import Logprob
+from .graphs import DecodeGraphs
 from .detokenizer import append_text, final_text, find_stop_string
 from .page_table import PageTable
 from .runner import ModelRunner
-from .sampler import SamplerOutput, build_sampling_tensors
+from .sampler import SamplerOutput, build_sampling_tensors, sampling_to_device
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -69,13 +70,16 @@ class LLMEngine:
         max_pages_per_seq = -(-max_model_len // self.page_size)
         self.pages = PageTable(num_pages, self.page_size, config.max_num_seqs, max_pages_per_seq, device)
         self.scheduler = Scheduler(self.pages, config.max_num_seqs, self.max_batched_tokens)
-        forward.prepare(max_model_len)
+        forward.prepare(max_model_len, compile_layers=device.type == "cuda" and config.compile_layers)
         backend = config.attention_backend
         if backend == "auto":
             backend = "flex" if device.type == "cuda" else "reference"
         self.runner = ModelRunner(forward, self.cache, self.pages, device, backend)
+        if device.type == "cuda" and not config.enforce_eager and backend == "flex":
+            self.runner.graphs = DecodeGraphs(self.runner, config.max_num_seqs)
         self.stats = EngineStats()
         page_bytes = KVCache.bytes_per_page(self.spec.layers, self.page_size, dtype)
+        self.cache_bytes = num_pages * page_bytes
         logger.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
                     self.page_size, (num_pages - 1) * self.page_size, num_pages * page_bytes / 2**20)
 
@@ -155,8 +159,8 @@ class LLMEngine:
         for follower in samplers:
             if follower.share_with is not None:
                 self._fork(follower)
-        out = self.runner.sample(hidden[rows], build_sampling_tensors(
-            samplers, self.spec.vocab_size, self.device))
+        st = sampling_to_device(build_sampling_tensors(samplers, self.spec.vocab_size), self.device)
+        out = self.runner.sample(hidden[rows], st)
         self._append(samplers, out, on_finish)
 
     def _fork(self, seq: Sequence) -> None:
@@ -171,11 +175,10 @@ class LLMEngine:
         seq.share_with = None
 
     def _decode(self, seqs: list[Sequence], on_finish) -> None:
-        hidden = self.runner.decode(seqs)
+        out = self.runner.decode(seqs, build_sampling_tensors(seqs, self.spec.vocab_size))
         self.stats.decode_steps += 1
         for seq in seqs:
             seq.num_computed = seq.num_tokens
-        out = self.runner.sample(hidden, build_sampling_tensors(seqs, self.spec.vocab_size, self.device))
         self._append(seqs, out, on_finish)
 
     # -- after sampling ----------------------------------------------------------------------

@@ -11,7 +11,7 @@ from ..attention.flex import AttentionMetadata
 from ..attention.kv_cache import KVCache
 from ..attention.masks import decode_block_mask, prefill_block_mask, prefill_page_lists
 from .page_table import PageTable
-from .sampler import SamplerOutput, SamplingTensors, sample
+from .sampler import SamplerOutput, SamplingTensors, sample, sampling_to_device
 from .sequence import Sequence
 
 
@@ -28,6 +28,7 @@ class ModelRunner:
         self.kv_len = pages.num_pages * pages.page_size
         first = spec.layers[0]
         self.decode_group = forward.num_heads // first.num_kv_heads
+        self.graphs = None      # set by LLMEngine when CUDA graphs are enabled
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -63,22 +64,38 @@ class ModelRunner:
                                  backend=self.backend)
         return self.forward.forward(self._tensor(ids), meta, self.cache)
 
-    @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One token per sequence: the last one, not yet in the cache. Returns hidden (B, H)."""
-        self.pages.flush()
-        size = self.pages.page_size
+    def decode_inputs(self, seqs: list[Sequence]) -> dict[str, list[int]]:
+        """Host lists for one decode step: the last token of each sequence, not yet cached."""
         positions = [seq.num_tokens - 1 for seq in seqs]
-        ids = [seq.token_ids[-1] for seq in seqs]
-        slot_map = [self._slots(seq, pos, 1)[0] for seq, pos in zip(seqs, positions)]
-        pos_t = self._tensor(positions)
-        rows = self.pages.table[self._tensor([seq.slot for seq in seqs])]
-        num_pages = self._tensor([p // size + 1 for p in positions], torch.int32)
-        masks = {w: decode_block_mask(rows, num_pages, pos_t, self.pages.page_logical, size,
+        return {
+            "input_ids": [seq.token_ids[-1] for seq in seqs],
+            "positions": positions,
+            "slot_mapping": [self._slots(seq, pos, 1)[0] for seq, pos in zip(seqs, positions)],
+            "slots": [seq.slot for seq in seqs],
+        }
+
+    def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       slot_mapping: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The decode step on device tensors only (capturable): hidden states (B, H)."""
+        size = self.pages.page_size
+        rows = self.pages.table[slots]
+        num_pages = (positions // size + 1).to(torch.int32)
+        masks = {w: decode_block_mask(rows, num_pages, positions, self.pages.page_logical, size,
                                       self.decode_group, self.kv_len, w) for w in self.windows}
-        meta = AttentionMetadata(pos_t, self._tensor(slot_map), decode=True, block_masks=masks,
+        meta = AttentionMetadata(positions, slot_mapping, decode=True, block_masks=masks,
                                  backend=self.backend)
-        return self.forward.forward(self._tensor(ids), meta, self.cache)
+        return self.forward.forward(input_ids, meta, self.cache)
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence], st: SamplingTensors) -> SamplerOutput:
+        """One token for every sequence; replayed from a CUDA graph when one fits."""
+        self.pages.flush()
+        inputs = self.decode_inputs(seqs)
+        if self.graphs is not None and self.graphs.can_run(len(seqs), st):
+            return self.graphs.run(inputs, st)
+        tensors = {name: self._tensor(values) for name, values in inputs.items()}
+        st = sampling_to_device(st, self.device)
+        return sample(self.forward.logits(self.decode_forward(**tensors)), st)
 
     @torch.inference_mode()
     def sample(self, hidden: torch.Tensor, st: SamplingTensors) -> SamplerOutput:

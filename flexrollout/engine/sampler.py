@@ -142,7 +142,7 @@ def _bias_rows(seqs, vocab: int) -> torch.Tensor | None:
     return torch.stack([zero if r is None else r for r in rows])
 
 
-def _penalty_state(seqs, vocab: int, device: torch.device) -> tuple | None:
+def _penalty_state(seqs, vocab: int) -> tuple | None:
     params = [s.params for s in seqs]
     if all(p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
            for p in params):
@@ -156,11 +156,11 @@ def _penalty_state(seqs, vocab: int, device: torch.device) -> tuple | None:
     rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
     freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
     pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
-    return tuple(t.to(device) for t in (rep, freq, pres, counts, prompt_mask))
+    return rep, freq, pres, counts, prompt_mask
 
 
-def build_sampling_tensors(seqs, vocab: int, device: torch.device) -> SamplingTensors:
-    """Per-row settings of the sequences about to draw their next token."""
+def build_sampling_tensors(seqs, vocab: int) -> SamplingTensors:
+    """Per-row settings of the sequences about to draw their next token, as host tensors."""
     params = [s.params for s in seqs]
     top_k = [p.top_k if p.top_k and p.top_k > 0 else vocab for p in params]
     top_p = [float(p.top_p) for p in params]
@@ -168,21 +168,43 @@ def build_sampling_tensors(seqs, vocab: int, device: torch.device) -> SamplingTe
     temperature = [float(p.temperature) for p in params]
     need_truncation = any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p) or any(min_p)
     logprob_ks = [p.logprobs for p in params if p.logprobs is not None]
-    bias = _bias_rows(seqs, vocab)
-
-    def tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
     return SamplingTensors(
-        temperature=tensor(temperature, torch.float32),
-        top_k=tensor(top_k, torch.int64),
-        top_p=tensor(top_p, torch.float32),
-        min_p=tensor(min_p, torch.float32),
-        seeds=tensor([s.seed for s in seqs], torch.int64),
-        counters=tensor([s.num_tokens for s in seqs], torch.int64),
-        bias=None if bias is None else bias.to(device),
-        penalties=_penalty_state(seqs, vocab, device),
+        temperature=torch.tensor(temperature, dtype=torch.float32),
+        top_k=torch.tensor(top_k, dtype=torch.int64),
+        top_p=torch.tensor(top_p, dtype=torch.float32),
+        min_p=torch.tensor(min_p, dtype=torch.float32),
+        seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64),
+        counters=torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64),
+        bias=_bias_rows(seqs, vocab),
+        penalties=_penalty_state(seqs, vocab),
         need_truncation=need_truncation,
         all_greedy=all(t == 0 for t in temperature),
-        max_logprobs=max(logprob_ks, default=-1),
+        max_logprobs=max((vocab if k == -1 else k for k in logprob_ks), default=-1),
     )
+
+
+_ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "counters")
+
+
+def sampling_to_device(st: SamplingTensors, device: torch.device) -> SamplingTensors:
+    """Move host sampling tensors to the device: per-row vectors in one packed transfer."""
+    if device.type == "cpu":
+        return st
+    packed = pack_rows([getattr(st, f) for f in _ROW_FIELDS]).to(device, non_blocking=True)
+    moved = {f: unpack_row(packed[i], getattr(st, f).dtype) for i, f in enumerate(_ROW_FIELDS)}
+    bias = None if st.bias is None else st.bias.to(device, non_blocking=True)
+    penalties = None if st.penalties is None else tuple(t.to(device) for t in st.penalties)
+    return SamplingTensors(**moved, bias=bias, penalties=penalties, need_truncation=st.need_truncation,
+                           all_greedy=st.all_greedy, max_logprobs=st.max_logprobs)
+
+
+def pack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Stack int64 and float32 vectors into one pinned int64 tensor (floats bit-cast), so a
+    step's per-row settings cross to the device in one copy."""
+    as_int = [r.view(torch.int32).to(torch.int64) if r.dtype == torch.float32 else r for r in rows]
+    packed = torch.stack(as_int)
+    return packed.pin_memory() if torch.cuda.is_available() else packed
+
+
+def unpack_row(row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return row.to(torch.int32).view(torch.float32) if dtype == torch.float32 else row

@@ -1,4 +1,10 @@
-"""Llama-3 and Qwen3 forward math over the user's HF parameters (Qwen3 adds q/k RMSNorm)."""
+"""Llama-3 and Qwen3 forward math over the user's HF parameters (Qwen3 adds q/k RMSNorm).
+
+Each layer is attention between two pure tensor functions, `qkv_rope` and `out_mlp`. On CUDA
+they are compiled once (batch dimension dynamic) and reused by every layer and every graph
+bucket: that fuses the norms, RoPE, SiLU-mul and residual adds that otherwise cost ~30 small
+kernels per layer. Layers wrapped by PEFT LoRA run the same math uncompiled, through `linear`.
+"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -7,12 +13,33 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.flex import AttentionMetadata, paged_attention
+from .base import LayerSpec, ModelSpec, apply_rope, linear, rms_norm, rope_tables
 
 if TYPE_CHECKING:
     from ..attention.kv_cache import KVCache
-from .base import LayerSpec, ModelSpec, apply_rope, linear, rms_norm, rope_tables
 
 _STATIC_ROPE_TYPES = {"default", "llama3", "linear", "yarn"}
+
+
+def qkv_rope(x, ln_w, wq, bq, wk, bk, wv, bv, qn_w, kn_w, cos, sin, eps: float,
+             num_heads: int, num_kv_heads: int, head_dim: int):
+    """input norm -> q/k/v projections -> (Qwen3) q/k norm -> RoPE."""
+    h = rms_norm(x, ln_w, eps)
+    tokens = h.shape[0]
+    q = F.linear(h, wq, bq).view(tokens, num_heads, head_dim)
+    k = F.linear(h, wk, bk).view(tokens, num_kv_heads, head_dim)
+    v = F.linear(h, wv, bv).view(tokens, num_kv_heads, head_dim)
+    if qn_w is not None:
+        q = rms_norm(q, qn_w, eps)
+        k = rms_norm(k, kn_w, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def out_mlp(attn, residual, wo, bo, ln_w, w_gate, w_up, w_down, eps: float):
+    """o_proj + residual -> post-attention norm -> SwiGLU MLP + residual."""
+    hidden = residual + F.linear(attn, wo, bo)
+    h = rms_norm(hidden, ln_w, eps)
+    return hidden + F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
 
 
 class LlamaForward:
@@ -32,6 +59,7 @@ class LlamaForward:
         self.qk_norm = hasattr(self.body.layers[0].self_attn, "q_norm")
         self.window = None
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._qkv, self._out = qkv_rope, out_mlp
 
     def spec(self) -> ModelSpec:
         layer = LayerSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
@@ -42,7 +70,7 @@ class LlamaForward:
             max_position_embeddings=self.config.max_position_embeddings,
         )
 
-    def prepare(self, max_len: int) -> None:
+    def prepare(self, max_len: int, compile_layers: bool) -> None:
         """Build the cos/sin tables from the model's own inv_freq buffer (its rope scaling)."""
         rotary = self.body.rotary_emb
         rope_type = getattr(rotary, "rope_type", "default")
@@ -50,6 +78,9 @@ class LlamaForward:
             raise NotImplementedError(f"rope_type {rope_type!r} is not supported yet")
         self._rope_cache = rope_tables(rotary.inv_freq, float(rotary.attention_scaling),
                                        max_len, self.dtype)
+        if compile_layers:
+            self._qkv = torch.compile(qkv_rope, dynamic=True, fullgraph=True)
+            self._out = torch.compile(out_mlp, dynamic=True, fullgraph=True)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: "KVCache") -> torch.Tensor:
         """input_ids (T,) -> final hidden states (T, hidden)."""
@@ -57,16 +88,29 @@ class LlamaForward:
         cos, sin = cos_table[meta.positions], sin_table[meta.positions]
         hidden = F.embedding(input_ids, self.body.embed_tokens.weight).to(self.dtype)
         for index, layer in enumerate(self.body.layers):
-            hidden = hidden + self._attention(index, layer, hidden, cos, sin, meta, cache)
-            hidden = hidden + self._mlp(layer.mlp, rms_norm(
-                hidden, layer.post_attention_layernorm.weight, self.eps))
+            if _has_lora(layer):
+                hidden = self._lora_layer(index, layer, hidden, cos, sin, meta, cache)
+                continue
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v = self._qkv(
+                hidden, layer.input_layernorm.weight, attn.q_proj.weight, attn.q_proj.bias,
+                attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight, attn.v_proj.bias,
+                attn.q_norm.weight if self.qk_norm else None,
+                attn.k_norm.weight if self.qk_norm else None,
+                cos, sin, self.eps, self.num_heads, self.num_kv_heads, self.head_dim)
+            cache.write(index, k, v, meta.slot_mapping)
+            out = paged_attention(q, cache.k[index], cache.v[index], meta, self.scale, self.window)
+            hidden = self._out(out, hidden, attn.o_proj.weight, attn.o_proj.bias,
+                               layer.post_attention_layernorm.weight, mlp.gate_proj.weight,
+                               mlp.up_proj.weight, mlp.down_proj.weight, self.eps)
         return rms_norm(hidden, self.body.norm.weight, self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.hf.lm_head).float()
 
-    def _attention(self, index, layer, hidden, cos, sin, meta, cache) -> torch.Tensor:
-        attn = layer.self_attn
+    def _lora_layer(self, index, layer, hidden, cos, sin, meta, cache) -> torch.Tensor:
+        """The same layer math, reading PEFT LoRA wrappers live through `linear`."""
+        attn, mlp = layer.self_attn, layer.mlp
         x = rms_norm(hidden, layer.input_layernorm.weight, self.eps)
         tokens = x.shape[0]
         q = linear(x, attn.q_proj).view(tokens, self.num_heads, self.head_dim)
@@ -78,7 +122,12 @@ class LlamaForward:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(index, k, v, meta.slot_mapping)
         out = paged_attention(q, cache.k[index], cache.v[index], meta, self.scale, self.window)
-        return linear(out, attn.o_proj)
+        hidden = hidden + linear(out, attn.o_proj)
+        h = rms_norm(hidden, layer.post_attention_layernorm.weight, self.eps)
+        return hidden + linear(F.silu(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
 
-    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
-        return linear(F.silu(linear(x, mlp.gate_proj)) * linear(x, mlp.up_proj), mlp.down_proj)
+
+def _has_lora(layer: torch.nn.Module) -> bool:
+    attn, mlp = layer.self_attn, layer.mlp
+    return any(hasattr(m, "base_layer") for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                  mlp.gate_proj, mlp.up_proj, mlp.down_proj))

@@ -1,0 +1,70 @@
+"""Where a decode step's time goes: GPU kernels by category, and host time around replay.
+
+    python benchmarks/profile_decode.py --preset qwen3-4b --batch 8
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flexrollout import LLM, SamplingParams
+from flexrollout.bench import random_model
+
+
+def _category(name: str) -> str:
+    lowered = name.lower()
+    for key, label in (("flex", "attention"), ("gemm", "gemm"), ("gemv", "gemm"), ("cutlass", "gemm"),
+                       ("nvjet", "gemm"), ("sm90", "gemm"), ("argmax", "sampler"), ("softmax", "sampler"),
+                       ("sort", "sampler"), ("index", "index/copy"), ("copy", "index/copy"),
+                       ("triton", "triton-other")):
+        if key in lowered:
+            return label
+    return "elementwise/other"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="qwen3-4b")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    args = parser.parse_args()
+    model = random_model(args.preset, torch.bfloat16, "cuda", 4096)
+    llm = LLM(model, max_model_len=2048, max_num_seqs=max(args.batch, 8), gpu_memory_utilization=0.5)
+    prompts = [{"prompt_token_ids": list(range(10 + i, 138 + i))} for i in range(args.batch)]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.steps, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    by_cat: dict[str, float] = defaultdict(float)
+    by_name: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        cuda_us = getattr(evt, "self_device_time_total", 0) or 0
+        if cuda_us <= 0:
+            continue
+        by_cat[_category(evt.key)] += cuda_us
+        by_name[evt.key] += cuda_us
+    steps = args.steps
+    print(f"wall per generated step: {wall / steps * 1e3:.2f} ms (batch {args.batch})")
+    print(f"GPU kernel time per step: {sum(by_cat.values()) / steps / 1e3:.2f} ms")
+    for cat, us in sorted(by_cat.items(), key=lambda x: -x[1]):
+        print(f"  {cat:20s} {us / steps / 1e3:8.3f} ms/step")
+    print("top kernels:")
+    for name, us in sorted(by_name.items(), key=lambda x: -x[1])[:15]:
+        print(f"  {us / steps / 1e3:8.3f} ms/step  {name[:110]}")
+    cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    print(cpu)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""`flexrollout bench`: throughput against the HBM roofline, on random weights at real sizes.
+
+Decode is memory-bound: a step reads every weight once plus the KV of every running sequence,
+so roofline tok/s = batch x bandwidth / (weight bytes + KV bytes read per step). The bandwidth
+is measured in the same process (a large device-to-device copy, bytes read + written).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Real sizes (DESIGN.md §4). rope: (theta, llama3 scaling factor or None).
+PRESETS = {
+    "qwen3-0.6b": dict(arch="qwen3", hidden=1024, inter=3072, layers=28, heads=16, kv=8, hd=128, vocab=151936, theta=1e6, tie=True),
+    "qwen3-4b": dict(arch="qwen3", hidden=2560, inter=9728, layers=36, heads=32, kv=8, hd=128, vocab=151936, theta=1e6, tie=True),
+    "qwen3-8b": dict(arch="qwen3", hidden=4096, inter=12288, layers=36, heads=32, kv=8, hd=128, vocab=151936, theta=1e6, tie=False),
+    "llama-3.2-1b": dict(arch="llama", hidden=2048, inter=8192, layers=16, heads=32, kv=8, hd=64, vocab=128256, theta=5e5, tie=True, llama3=32.0),
+    "llama-3.2-3b": dict(arch="llama", hidden=3072, inter=8192, layers=28, heads=24, kv=8, hd=128, vocab=128256, theta=5e5, tie=True, llama3=32.0),
+    "llama-3.1-8b": dict(arch="llama", hidden=4096, inter=14336, layers=32, heads=32, kv=8, hd=128, vocab=128256, theta=5e5, tie=False, llama3=8.0),
+    "tiny-llama": dict(arch="llama", hidden=64, inter=128, layers=2, heads=4, kv=2, hd=16, vocab=512, theta=1e4, tie=False, llama3=8.0),
+    "tiny-qwen3": dict(arch="qwen3", hidden=64, inter=128, layers=2, heads=4, kv=2, hd=16, vocab=512, theta=1e6, tie=True),
+}
+
+
+def preset_config(name: str, max_position_embeddings: int = 8192):
+    """A transformers config with the preset's real sizes."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    p = PRESETS[name]
+    common = dict(hidden_size=p["hidden"], intermediate_size=p["inter"], num_hidden_layers=p["layers"],
+                  num_attention_heads=p["heads"], num_key_value_heads=p["kv"], head_dim=p["hd"],
+                  vocab_size=p["vocab"], tie_word_embeddings=p["tie"],
+                  max_position_embeddings=max_position_embeddings, bos_token_id=0, eos_token_id=1)
+    rope = {"rope_type": "default", "rope_theta": p["theta"]}
+    if p.get("llama3"):
+        rope = {"rope_type": "llama3", "rope_theta": p["theta"], "factor": p["llama3"],
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+    cls = Qwen3Config if p["arch"] == "qwen3" else LlamaConfig
+    return cls(rope_parameters=rope, **common)
+
+
+def random_model(name: str, dtype: torch.dtype, device: str, max_position_embeddings: int = 8192):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(preset_config(name, max_position_embeddings), dtype=dtype)
+    return model.eval()
+
+
+def measure_bandwidth(device: str, gib: float = 2.0) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read and written."""
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    _sync(device)
+    start = time.perf_counter()
+    reps = 10
+    for _ in range(reps):
+        dst.copy_(src)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    del src, dst
+    return 2 * gib * 2**30 * reps / elapsed
+
+
+def measure_matmul(device: str, n: int = 8192) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    _sync(device)
+    return 2 * n**3 * 10 / (time.perf_counter() - start)
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, vocab, (batch, length), generator=g)
+    return [{"prompt_token_ids": row.tolist()} for row in ids]
+
+
+def run_decode(llm, batch: int, prompt_len: int, max_tokens: int, vocab: int) -> float:
+    from . import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(_prompts(batch, prompt_len, vocab, 1), SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)        # warm-up, graphs
+    prompts = _prompts(batch, prompt_len, vocab, 2)
+    _sync(llm.llm_engine.device.type)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _sync(llm.llm_engine.device.type)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    return generated / elapsed
+
+
+def run_hf(model, batch: int, prompt_len: int, max_tokens: int, vocab: int, device: str) -> float:
+    ids = torch.tensor([p["prompt_token_ids"] for p in _prompts(batch, prompt_len, vocab, 2)], device=device)
+    model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)
+    _sync(device)
+    start = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+    _sync(device)
+    return (out.shape[1] - prompt_len) * batch / (time.perf_counter() - start)
+
+
+def bench(args) -> dict:
+    from . import LLM, SamplingParams
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    result: dict = {"preset": args.preset, "device": device, "dtype": args.dtype,
+                    "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
+    if device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
+        result["bandwidth_GBs"] = measure_bandwidth(device) / 1e9
+    model_len = args.prompt_len + max(args.max_tokens, 512) + 16
+    t0 = time.perf_counter()
+    model = random_model(args.preset, dtype, device, max(model_len, 8192))
+    weights = _weight_bytes(model)
+    result["weight_GB"] = weights / 1e9
+    vocab = model.config.vocab_size
+    max_seqs = max(batch_sizes + ([64] if args.workload == "grpo" else []))
+    t1 = time.perf_counter()
+    llm = LLM(model, tokenizer=None, max_model_len=model_len, max_num_seqs=max_seqs,
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+    llm.generate(_prompts(1, args.prompt_len, vocab, 0), SamplingParams(temperature=0, max_tokens=1),
+                 use_tqdm=False)
+    _sync(device)
+    result["startup_s"] = time.perf_counter() - t1
+    result["model_init_s"] = t1 - t0
+    spec = llm.llm_engine.spec
+    kv_per_token = sum(2 * s.num_kv_heads * s.head_dim for s in spec.layers) * torch.empty((), dtype=dtype).element_size()
+    rows = []
+    if args.workload == "decode":
+        for batch in batch_sizes:
+            tok_s = run_decode(llm, batch, args.prompt_len, args.max_tokens, vocab)
+            ctx = args.prompt_len + args.max_tokens / 2
+            row = {"batch": batch, "tok_s": tok_s}
+            if "bandwidth_GBs" in result:
+                roof = batch * result["bandwidth_GBs"] * 1e9 / (weights + batch * ctx * kv_per_token)
+                row.update(roofline_tok_s=roof, roofline_pct=100 * tok_s / roof)
+            if args.compare == "hf":
+                row["hf_tok_s"] = run_hf(model, batch, args.prompt_len, args.hf_max_tokens, vocab, device)
+                row["x_hf"] = tok_s / row["hf_tok_s"]
+            rows.append(row)
+            logger.warning("%s", row)
+    elif args.workload == "grpo":
+        params = SamplingParams(n=8, temperature=1.0, max_tokens=512, logprobs=0, seed=None)
+        prompts = _prompts(8, 256, vocab, 3)
+        llm.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=8, logprobs=0), use_tqdm=False)
+        _sync(device)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        rows.append({"batch": 64, "tok_s": generated / elapsed, "generated": generated, "seconds": elapsed})
+    elif args.workload == "prefill":
+        flops = measure_matmul(device) if device == "cuda" else None
+        prompts = _prompts(64, 512, vocab, 4)
+        llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        _sync(device)
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        _sync(device)
+        tokens_s = 64 * 512 / (time.perf_counter() - start)
+        row = {"prefill_tok_s": tokens_s}
+        if flops:
+            params_count = weights / torch.empty((), dtype=dtype).element_size()
+            row.update(matmul_TFLOPs=flops / 1e12, mfu_pct=100 * tokens_s * 2 * params_count / flops)
+        rows.append(row)
+    result["rows"] = rows
+    graphs = llm.llm_engine.runner.graphs
+    result["graph_capture_s"] = graphs.capture_seconds if graphs is not None else 0.0
+    if device == "cuda":
+        result["peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
+        result["kv_cache_GB"] = llm.llm_engine.cache_bytes / 1e9
+    return result
+
+
+def print_table(result: dict) -> None:
+    head = {k: v for k, v in result.items() if k != "rows"}
+    print(json.dumps(head, default=str))
+    for row in result["rows"]:
+        print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+
+
+def _main(args) -> int:
+    result = bench(args)
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="throughput on random weights at real sizes")
+    p.add_argument("--preset", default="qwen3-4b", choices=sorted(PRESETS))
+    p.add_argument("--batch-sizes", default="1,8,64")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--workload", default="decode", choices=["decode", "grpo", "prefill"])
+    p.add_argument("--compare", choices=["hf"], default=None)
+    p.add_argument("--hf-max-tokens", type=int, default=64, help="new tokens for the HF baseline")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=_main)

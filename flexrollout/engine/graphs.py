@@ -1,0 +1,119 @@
+"""CUDA-graph capture and replay of the whole decode step (forward and sampler).
+
+One graph per (batch bucket, sampler mode), captured lazily the first time it is needed and
+sharing one memory pool. Inputs live in `graph_vars`, static buffers sized for max_num_seqs;
+a batch smaller than its bucket is padded with rows that point at the reserved slot 0 and
+page 0, which absorb their writes and attend only to themselves.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .sampler import SamplerOutput, SamplingTensors, sample
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64, then every 16 (padding stays below ~12%)."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, max(max_num_seqs, 80) + 1, 16))
+    sizes = [s for s in sizes if s < max_num_seqs]
+    return sizes + [max_num_seqs]
+
+
+class DecodeGraphs:
+    # Every per-row input of the captured step, in the order of one packed int64 buffer
+    # (float32 rows bit-cast), so a step needs a single host-to-device copy.
+    _VARS = (("input_ids", torch.long), ("positions", torch.long), ("slot_mapping", torch.long),
+             ("slots", torch.long), ("seeds", torch.long), ("counters", torch.long),
+             ("top_k", torch.long), ("temperature", torch.float32), ("top_p", torch.float32),
+             ("min_p", torch.float32))
+
+    def __init__(self, runner, max_num_seqs: int) -> None:
+        self.runner = runner
+        self.buckets = batch_buckets(max_num_seqs)
+        self.vocab = runner.forward.spec().vocab_size
+        self.packed = torch.zeros(len(self._VARS), max_num_seqs, dtype=torch.long, device=runner.device)
+        self.staging = torch.zeros(len(self._VARS), max_num_seqs, dtype=torch.long).pin_memory()
+        self.graph_vars: dict[str, torch.Tensor] = {
+            name: self.packed[i] if dtype == torch.long else self.packed[i].view(torch.float32)[::2]
+            for i, (name, dtype) in enumerate(self._VARS)}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, SamplerOutput]] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+
+    def can_run(self, batch: int, st: SamplingTensors) -> bool:
+        """Steps with per-row biases or penalties run eagerly (their state is not static)."""
+        return batch <= self.buckets[-1] and st.bias is None and st.penalties is None
+
+    def _bucket(self, batch: int) -> int:
+        return next(b for b in self.buckets if b >= batch)
+
+    def _fill(self, inputs: dict[str, list[int]], st: SamplingTensors, batch: int, bucket: int) -> None:
+        """Write this step's rows (and harmless padding rows) into the static inputs."""
+        staging = self.staging
+        staging[:, :bucket].zero_()
+        for i, (name, dtype) in enumerate(self._VARS):
+            values = inputs[name] if name in inputs else getattr(st, name)
+            row = torch.as_tensor(values, dtype=dtype)
+            if dtype == torch.float32:
+                # Little-endian bit-cast into the low half of each int64 cell.
+                staging[i, :batch] = row.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+            else:
+                staging[i, :batch] = row
+        # Padding rows: slot 0 / page 0, greedy, untruncated.
+        staging[self._index("top_k"), batch:bucket] = self.vocab
+        staging[self._index("top_p"), batch:bucket] = _float_bits(1.0)
+        self.packed[:, :bucket].copy_(staging[:, :bucket], non_blocking=True)
+
+    def _index(self, name: str) -> int:
+        return next(i for i, (n, _) in enumerate(self._VARS) if n == name)
+
+    def _step(self, bucket: int, mode: tuple[bool, bool, int]) -> SamplerOutput:
+        all_greedy, need_truncation, max_logprobs = mode
+        gv = {name: t[:bucket] for name, t in self.graph_vars.items()}
+        hidden = self.runner.decode_forward(gv["input_ids"], gv["positions"], gv["slot_mapping"], gv["slots"])
+        st = SamplingTensors(
+            temperature=gv["temperature"], top_k=gv["top_k"], top_p=gv["top_p"], min_p=gv["min_p"],
+            seeds=gv["seeds"], counters=gv["counters"], bias=None, penalties=None,
+            need_truncation=need_truncation, all_greedy=all_greedy, max_logprobs=max_logprobs)
+        return sample(self.runner.forward.logits(hidden), st)
+
+    def _capture(self, bucket: int, mode: tuple) -> tuple[torch.cuda.CUDAGraph, SamplerOutput]:
+        start = time.perf_counter()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):                   # compile kernels and settle allocations first
+                self._step(bucket, mode)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._step(bucket, mode)
+        elapsed = time.perf_counter() - start
+        self.capture_seconds += elapsed
+        logger.info("captured decode graph for batch %d, mode %s in %.2f s", bucket, mode, elapsed)
+        return graph, out
+
+    def run(self, inputs: dict[str, list[int]], st: SamplingTensors) -> SamplerOutput:
+        batch = len(inputs["input_ids"])
+        bucket = self._bucket(batch)
+        mode = (st.all_greedy, st.need_truncation, st.max_logprobs)
+        self._fill(inputs, st, batch, bucket)
+        key = (bucket, mode)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bucket, mode)
+            self._fill(inputs, st, batch, bucket)   # warm-up steps ran on these buffers
+        graph, out = self.graphs[key]
+        graph.replay()
+        return SamplerOutput(*(None if t is None else t[:batch] for t in
+                               (out.token_ids, out.logprobs, out.ranks, out.top_ids, out.top_logprobs)))
+
+
+def _float_bits(value: float) -> int:
+    return int(torch.tensor([value], dtype=torch.float32).view(torch.int32).item()) & 0xFFFFFFFF
