@@ -84,8 +84,12 @@ class LLM:
                     raise ValueError(f"{name}={value!r} is not supported by flexrollout "
                                      f"(supported: {_MUST_EQUAL[name]!r})")
             elif name in _RENAMED:
+                ours = _RENAMED[name]
+                if value is not None and kwargs.get(ours, value) != value:
+                    raise ValueError(f"{name}={value!r} conflicts with {ours}={kwargs[ours]!r}; "
+                                     f"they name the same setting")
                 if value is not None:
-                    out[_RENAMED[name]] = value
+                    out[ours] = value
             elif name in EngineConfig.field_names():
                 out[name] = value
             elif name in _IGNORED or name.startswith("disable_"):

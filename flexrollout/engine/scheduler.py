@@ -87,8 +87,8 @@ class Scheduler:
     def _schedule_decode(self) -> list[Sequence]:
         batch: list[Sequence] = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING:
-                continue                      # preempted earlier in this loop
+            if seq.status is not Status.RUNNING or seq.share_with is not None:
+                continue                      # preempted earlier in this loop, or not forked yet
             while self.pages.pages_needed(seq.slot, seq.num_tokens) > self.pages.num_free_pages:
                 victim = self.running[-1]
                 self.preempt(victim)
