@@ -11,6 +11,7 @@ from .config import EngineConfig, resolve_dtype
 from .engine.engine import LLMEngine
 from .engine.sequence import Sequence
 from .lora_request import LoRARequest
+from .weights import ModelExecutor
 from .models import build_forward, unwrap_peft
 from .outputs import CompletionOutput, RequestOutput
 from .prompts import Prompt, check_tokens, split_prompts, to_prompt
@@ -56,7 +57,8 @@ class LLM:
             dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
             enable_prefix_caching=enable_prefix_caching, **engine_kwargs)
-        self.model, self.tokenizer, model_name = self._load(model, tokenizer, gguf_file, kwargs)
+        self.model, self.tokenizer, model_name = self._load(
+            model, tokenizer, gguf_file, kwargs, dtype, self.config.device)
         hf = unwrap_peft(self.model)
         param = next(hf.parameters())
         run_dtype = resolve_dtype(dtype, param.dtype)
@@ -70,6 +72,11 @@ class LLM:
         self.llm_engine = LLMEngine(forward, self.tokenizer, self.config, device, run_dtype,
                                     model_len, model_name)
         self.llm_engine.model_config.enable_sleep_mode = bool(enable_sleep_mode)
+        self.llm_engine.model_executor = ModelExecutor(self.model)
+        # Weights this engine loaded itself may be offloaded by sleep(); a trainer's never are.
+        self._owns_weights = isinstance(model, str)
+        self._weights_offloaded = False
+        self._weights_key = self._weights_fingerprint()
         self._eos_ids = self._eos_token_ids(hf)
         self._rng = random.Random(seed)
         self._request_ids = count()
@@ -99,7 +106,7 @@ class LLM:
         return out
 
     @staticmethod
-    def _load(model, tokenizer, gguf_file, kwargs):
+    def _load(model, tokenizer, gguf_file, kwargs, dtype, device):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if isinstance(model, torch.nn.Module):
@@ -115,12 +122,12 @@ class LLM:
         extra = {k: kwargs[k] for k in ("trust_remote_code", "revision") if k in kwargs}
         if gguf_file is not None:
             extra["gguf_file"] = gguf_file
-        dtype = kwargs.get("dtype", "auto")
-        loaded = AutoModelForCausalLM.from_pretrained(model, dtype="auto", **extra)
+        load_dtype = dtype if dtype == "auto" else resolve_dtype(dtype, torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(model, dtype=load_dtype, **extra)
+        loaded = loaded.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
         if isinstance(tokenizer, str) or tokenizer is None:
             tok_extra = {"gguf_file": gguf_file} if gguf_file and tokenizer is None else {}
             tokenizer = AutoTokenizer.from_pretrained(tokenizer or model, **tok_extra)
-        del dtype
         return loaded, tokenizer, model
 
     def _eos_token_ids(self, hf) -> frozenset[int]:
@@ -153,6 +160,7 @@ class LLM:
         self._check_lora(lora_request)
         parsed = [to_prompt(p, self.tokenizer, i) for i, p in enumerate(items)]
         requests = [self._prepare(i, prompt, sp) for i, (prompt, sp) in enumerate(zip(parsed, params))]
+        self._check_weights()
         return self._run(parsed, requests, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm=True, lora_request=None,
@@ -176,6 +184,72 @@ class LLM:
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    # -- sleep / wake and weight-sync hooks (vLLM's names) -----------------------------------
+    def sleep(self, level: int | str = 1) -> None:
+        """Free GPU memory between rollouts.
+
+        Level 1 and 2 both free the KV cache and the decode graphs. Weights shared with a trainer
+        are never moved; weights this engine loaded itself go to CPU memory (both levels: level 2
+        keeps them on the host instead of discarding them, so wake_up needs no reload).
+        Sleeping twice is harmless.
+        """
+        level = _sleep_level(level)
+        if self.llm_engine.kv_cache_awake:
+            self.llm_engine.release_kv_cache()
+        if self._owns_weights and not self._weights_offloaded:
+            self.model.to("cpu")
+            self._weights_offloaded = True
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        logger.info("asleep (level %d)", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep freed: tags None (everything), ["weights"] and/or ["kv_cache"]."""
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"tags must be a subset of ['weights', 'kv_cache'], got {sorted(unknown)}")
+        if "weights" in tags and self._weights_offloaded:
+            self.model.to(self.llm_engine.device)
+            self._weights_offloaded = False
+            self.llm_engine.invalidate_graphs()
+        if "kv_cache" in tags:
+            self.llm_engine.restore_kv_cache()
+
+    def is_sleeping(self) -> bool:
+        return not self.llm_engine.kv_cache_awake or self._weights_offloaded
+
+    def reset_prefix_cache(self, *args, **kwargs) -> bool:
+        """No KV is reused across calls (weights may change between them): nothing to drop."""
+        return True
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None) -> list:
+        """vLLM's worker RPC, for the one worker this process is. `reload_weights` is a no-op
+        because the engine reads the model's parameters directly."""
+        kwargs = kwargs or {}
+        if method == "reload_weights":
+            return [None]
+        target = self.llm_engine.model_executor.driver_worker
+        if callable(method):
+            return [method(target, *args, **kwargs)]
+        for obj in (target, target.model_runner, target.model_runner.model):
+            if hasattr(obj, method):
+                return [getattr(obj, method)(*args, **kwargs)]
+        raise NotImplementedError(f"collective_rpc: method {method!r} is not supported")
+
+    def _weights_fingerprint(self) -> tuple:
+        """Parameter addresses: captured graphs are valid only while these stay put."""
+        return tuple((name, p.data_ptr()) for name, p in self.model.named_parameters())
+
+    def _check_weights(self) -> None:
+        if self._weights_offloaded:
+            raise RuntimeError("the weights are asleep; call wake_up() (or wake_up(tags=['weights']))")
+        key = self._weights_fingerprint()
+        if key != self._weights_key:
+            logger.info("model parameters moved or changed structure; re-capturing decode graphs")
+            self.llm_engine.invalidate_graphs()
+            self._weights_key = key
 
     # -- request preparation -----------------------------------------------------------------
     @staticmethod
@@ -297,6 +371,16 @@ class LLM:
             request_id=str(seqs[0].seq_id), prompt=prompt.text, prompt_token_ids=prompt.token_ids,
             prompt_logprobs=seqs[0].prompt_logprobs, outputs=completions, finished=True,
             num_cached_tokens=max(s.num_cached for s in seqs))
+
+
+def _sleep_level(level) -> int:
+    try:
+        value = int(level)
+    except (TypeError, ValueError):
+        raise ValueError(f"level must be 1 or 2, got {level!r}") from None
+    if value not in (1, 2) or isinstance(level, bool):
+        raise ValueError(f"level must be 1 or 2, got {level!r}")
+    return value
 
 
 def _progress(total: int, enabled: bool):

@@ -13,20 +13,35 @@ from ..models.base import LayerSpec
 class KVCache:
     def __init__(self, layers: list[LayerSpec], num_pages: int, page_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
+        self.layers = layers
         self.num_pages = num_pages
         self.page_size = page_size
+        self.dtype = dtype
+        self.device = device
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        num_slots = num_pages * page_size
-        for spec in layers:
+        self.allocate()
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.k)
+
+    def allocate(self) -> None:
+        num_slots = self.num_pages * self.page_size
+        self.k, self.v = [], []
+        for spec in self.layers:
             if spec.kv_source is not None:
                 # KV-sharing layers read an earlier layer's cache and never write.
                 self.k.append(self.k[spec.kv_source])
                 self.v.append(self.v[spec.kv_source])
                 continue
             shape = (1, spec.num_kv_heads, num_slots, spec.head_dim)
-            self.k.append(torch.zeros(shape, dtype=dtype, device=device))
-            self.v.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.k.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            self.v.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def release(self) -> None:
+        """Drop the cache tensors (sleep); `allocate` makes new, empty ones."""
+        self.k, self.v = [], []
 
     @staticmethod
     def bytes_per_page(layers: list[LayerSpec], page_size: int, dtype: torch.dtype) -> int:

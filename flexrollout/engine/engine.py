@@ -104,6 +104,30 @@ class LLMEngine:
         tokens = min(self.max_model_len * min(cfg.max_num_seqs, 8), cfg.cpu_kv_cache_tokens)
         return max(-(-tokens // self.page_size), -(-self.max_model_len // self.page_size)) + 1
 
+    # -- sleep -------------------------------------------------------------------------------
+    @property
+    def kv_cache_awake(self) -> bool:
+        return self.cache.allocated
+
+    def release_kv_cache(self) -> None:
+        """Free the KV cache and the decode graphs that point into it."""
+        if self.scheduler.has_work():
+            raise RuntimeError("cannot sleep while requests are running")
+        self.invalidate_graphs()
+        self.cache.release()
+        self.pages.reset()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def restore_kv_cache(self) -> None:
+        if not self.cache.allocated:
+            self.cache.allocate()
+
+    def invalidate_graphs(self) -> None:
+        """Captured graphs hold weight and cache addresses; drop them when either moves."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.reset()
+
     @property
     def capacity_tokens(self) -> int:
         return (self.pages.num_pages - 1) * self.page_size
@@ -111,6 +135,8 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def run(self, groups: list[list[Sequence]], on_finish=None) -> None:
         """Generate every sequence of `groups` to completion."""
+        if not self.cache.allocated:
+            raise RuntimeError("the KV cache is asleep; call wake_up() (or wake_up(tags=['kv_cache']))")
         for group in groups:
             for part in self._fitting_groups(group):
                 self.scheduler.add_group(part)

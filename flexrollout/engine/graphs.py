@@ -45,6 +45,11 @@ class DecodeGraphs:
         self.pool = None
         self.capture_seconds = 0.0
 
+    def reset(self) -> None:
+        """Forget every graph and its memory pool (the cache or the weights moved)."""
+        self.graphs.clear()
+        self.pool = None
+
     def can_run(self, batch: int, st: SamplingTensors) -> bool:
         """Steps with per-row biases or penalties run eagerly (their state is not static)."""
         return batch <= self.buckets[-1] and st.bias is None and st.penalties is None

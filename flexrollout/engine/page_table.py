@@ -15,15 +15,21 @@ class PageTable:
                  device: torch.device) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
+        self.max_slots = max_slots
         self.max_pages_per_seq = max_pages_per_seq
-        self.free_pages = list(range(num_pages - 1, 0, -1))   # pop() hands out low pages first
-        self.free_slots = list(range(max_slots, 0, -1))
-        self.refcount = [0] * num_pages
-        self.pages: dict[int, list[int]] = {}                  # slot -> its pages, in logical order
         self.table = torch.zeros(max_slots + 1, max_pages_per_seq, dtype=torch.int32, device=device)
         self.page_logical = torch.zeros(num_pages, dtype=torch.int32, device=device)
-        self._pending: list[tuple[int, int, int]] = []         # (slot, logical index, page)
         self.pages_allocated = 0                               # cumulative, for stats and tests
+        self.reset()
+
+    def reset(self) -> None:
+        """Everything free. Device rows need no clearing: stale entries sit beyond every
+        sequence's length, where the causal check hides them (see attention/masks.py)."""
+        self.free_pages = list(range(self.num_pages - 1, 0, -1))   # pop() hands out low pages first
+        self.free_slots = list(range(self.max_slots, 0, -1))
+        self.refcount = [0] * self.num_pages
+        self.pages: dict[int, list[int]] = {}                  # slot -> its pages, in logical order
+        self._pending: list[tuple[int, int, int]] = []         # (slot, logical index, page)
 
     @property
     def num_free_pages(self) -> int:
