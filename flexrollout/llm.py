@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass
 from itertools import count
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from .config import EngineConfig, resolve_dtype
 from .engine.engine import LLMEngine
 from .engine.sequence import Sequence
+from .lora import AdapterRegistry
 from .lora_request import LoRARequest
 from .weights import ModelExecutor
 from .models import build_forward, unwrap_peft
@@ -77,6 +79,9 @@ class LLM:
         self._owns_weights = isinstance(model, str)
         self._weights_offloaded = False
         self._weights_key = self._weights_fingerprint()
+        self._lora_registry: AdapterRegistry | None = None
+        if enable_lora or hasattr(self.model, "peft_config"):
+            self.llm_engine.vllm_config.lora_config = LoRAConfig(max_lora_rank=max_lora_rank)
         self._eos_ids = self._eos_token_ids(hf)
         self._rng = random.Random(seed)
         self._request_ids = count()
@@ -157,9 +162,10 @@ class LLM:
             raise TypeError(f"generate() got unexpected keyword arguments {sorted(kwargs)}")
         items = split_prompts(prompts)
         params = self._params_list(sampling_params, len(items))
-        self._check_lora(lora_request)
         parsed = [to_prompt(p, self.tokenizer, i) for i, p in enumerate(items)]
         requests = [self._prepare(i, prompt, sp) for i, (prompt, sp) in enumerate(zip(parsed, params))]
+        for request, adapter in zip(requests, self._adapters(lora_request, len(items))):
+            request["lora"] = adapter
         self._check_weights()
         return self._run(parsed, requests, use_tqdm)
 
@@ -270,13 +276,37 @@ class LLM:
         raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
                         f"got {type(sampling_params).__name__}")
 
-    @staticmethod
-    def _check_lora(lora_request) -> None:
-        if lora_request is not None and not isinstance(lora_request, (LoRARequest, list)):
-            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        if lora_request is not None:
-            raise NotImplementedError("lora_request is not supported yet; LoRA layers of an "
-                                      "in-memory PEFT model are read live without it")
+    def _adapters(self, lora_request, num_prompts: int) -> list:
+        """One Adapter (or None) per prompt, loaded and validated before any work."""
+        if lora_request is None:
+            return [None] * num_prompts
+        if isinstance(lora_request, LoRARequest):
+            requests = [lora_request] * num_prompts
+        elif isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != num_prompts:
+                raise ValueError(f"lora_request has {len(lora_request)} entries for {num_prompts} prompts")
+            requests = list(lora_request)
+        else:
+            raise TypeError(f"lora_request must be a LoRARequest or a list of them, "
+                            f"got {type(lora_request).__name__}")
+        for i, req in enumerate(requests):
+            if req is not None and not isinstance(req, LoRARequest):
+                raise TypeError(f"lora_request[{i}] must be a LoRARequest or None, got {type(req).__name__}")
+        return [None if req is None else self._registry().get(req) for req in requests]
+
+    def _registry(self) -> AdapterRegistry:
+        if self._lora_registry is None:
+            engine = self.llm_engine
+            self._lora_registry = AdapterRegistry(
+                len(engine.spec.layers), engine.forward.projection_shapes(), engine.device,
+                engine.model_config.dtype)
+        return self._lora_registry
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_registry is not None and self._lora_registry.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return set() if self._lora_registry is None else set(self._lora_registry.adapters)
 
     def _prepare(self, index: int, prompt: Prompt, params: SamplingParams) -> dict:
         engine = self.llm_engine
@@ -328,7 +358,7 @@ class LLM:
                 seq_id=next(self._request_ids), request_index=index, sample_index=sample,
                 token_ids=list(prompt.token_ids), num_prompt_tokens=len(prompt.token_ids),
                 params=params, max_tokens=request["max_tokens"], seed=seed,
-                stop_ids=frozenset(stop_ids), bad_words_ids=bad_words))
+                stop_ids=frozenset(stop_ids), bad_words_ids=bad_words, lora=request["lora"]))
         return seqs
 
     def _groups(self, per_request: list[list[Sequence]]) -> list[list[Sequence]]:
@@ -339,7 +369,9 @@ class LLM:
         for seqs in per_request:
             for seq in seqs:
                 # prompt_logprobs are computed by the leader only; keep such requests alone.
-                key = (tuple(seq.token_ids),) if seq.params.prompt_logprobs is None else (seq.seq_id,)
+                lora_id = seq.lora.lora_int_id if seq.lora is not None else 0
+                key = ((lora_id, tuple(seq.token_ids)) if seq.params.prompt_logprobs is None
+                       else (seq.seq_id,))
                 groups.setdefault(key, []).append(seq)
         return list(groups.values())
 
@@ -371,6 +403,14 @@ class LLM:
             request_id=str(seqs[0].seq_id), prompt=prompt.text, prompt_token_ids=prompt.token_ids,
             prompt_logprobs=seqs[0].prompt_logprobs, outputs=completions, finished=True,
             num_cached_tokens=max(s.num_cached for s in seqs))
+
+
+@dataclass
+class LoRAConfig:
+    """What vLLM clients read from `llm_engine.vllm_config.lora_config`."""
+
+    max_lora_rank: int = 16
+    max_loras: int = 64
 
 
 def _sleep_level(level) -> int:

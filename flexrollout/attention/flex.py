@@ -55,6 +55,9 @@ class AttentionMetadata:
     kernel_options: dict[str, Any] = field(default_factory=dict)
     # "flex" (fused kernels; CUDA) or "reference" (dense mask_mod evaluation; CPU).
     backend: str = "flex"
+    # Per-row LoRA adapters of this step (a `LoraBatch`), or None. It rides along with the
+    # attention metadata so forward functions keep one small signature.
+    lora: Any = None
     _dense: dict = field(default_factory=dict, repr=False)
 
     def dense(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:

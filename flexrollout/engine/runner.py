@@ -10,6 +10,7 @@ import torch
 from ..attention.flex import AttentionMetadata
 from ..attention.kv_cache import KVCache
 from ..attention.masks import decode_block_mask, prefill_block_mask, prefill_page_lists
+from ..lora.batch import LoraBatch
 from .page_table import PageTable
 from .sampler import SamplerOutput, SamplingTensors, sample, sampling_to_device
 from .sequence import Sequence
@@ -40,8 +41,9 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Compute KV for each chunk; return final hidden rows of every token (T, H)."""
-        ids, positions, slot_map, q_slot, layout = [], [], [], [], []
+        ids, positions, slot_map, q_slot, layout, adapters = [], [], [], [], [], []
         for seq, count in chunks:
+            adapters += [seq.lora] * count
             start = seq.num_computed
             ids += seq.token_ids[start:start + count]
             positions += range(start, start + count)
@@ -61,7 +63,7 @@ class ModelRunner:
                 self.pages.table, q_slot_t, pos_t, self.pages.page_logical, self.pages.page_size,
                 self.kv_len, kv_indices.to(self.device), num_blocks.to(self.device), window)
         meta = AttentionMetadata(pos_t, self._tensor(slot_map), decode=False, block_masks=masks,
-                                 backend=self.backend)
+                                 backend=self.backend, lora=LoraBatch.build(adapters, self.device))
         return self.forward.forward(self._tensor(ids), meta, self.cache)
 
     def decode_inputs(self, seqs: list[Sequence]) -> dict[str, list[int]]:
@@ -75,7 +77,7 @@ class ModelRunner:
         }
 
     def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       slot_mapping: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                       slot_mapping: torch.Tensor, slots: torch.Tensor, lora=None) -> torch.Tensor:
         """The decode step on device tensors only (capturable): hidden states (B, H)."""
         size = self.pages.page_size
         rows = self.pages.table[slots]
@@ -83,7 +85,7 @@ class ModelRunner:
         masks = {w: decode_block_mask(rows, num_pages, positions, self.pages.page_logical, size,
                                       self.decode_group, self.kv_len, w) for w in self.windows}
         meta = AttentionMetadata(positions, slot_mapping, decode=True, block_masks=masks,
-                                 backend=self.backend)
+                                 backend=self.backend, lora=lora)
         return self.forward.forward(input_ids, meta, self.cache)
 
     @torch.inference_mode()
@@ -91,11 +93,12 @@ class ModelRunner:
         """One token for every sequence; replayed from a CUDA graph when one fits."""
         self.pages.flush()
         inputs = self.decode_inputs(seqs)
-        if self.graphs is not None and self.graphs.can_run(len(seqs), st):
+        lora = LoraBatch.build([seq.lora for seq in seqs], self.device)
+        if self.graphs is not None and lora is None and self.graphs.can_run(len(seqs), st):
             return self.graphs.run(inputs, st)
         tensors = {name: self._tensor(values) for name, values in inputs.items()}
         st = sampling_to_device(st, self.device)
-        return sample(self.forward.logits(self.decode_forward(**tensors)), st)
+        return sample(self.forward.logits(self.decode_forward(**tensors, lora=lora)), st)
 
     @torch.inference_mode()
     def sample(self, hidden: torch.Tensor, st: SamplingTensors) -> SamplerOutput:

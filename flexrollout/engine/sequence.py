@@ -36,6 +36,7 @@ class Sequence:
     text: str = ""                     # detokenized output, kept only when stop strings need it
     bad_words_ids: list[list[int]] = field(default_factory=list)
     detok_offsets: tuple[int, int] = (0, 0)   # incremental detokenizer's (prefix, read) offsets
+    lora: object | None = None         # the Adapter a LoRARequest named, or None
     share_with: "Sequence | None" = field(default=None, repr=False)   # group leader whose prompt KV it reuses
 
     @property

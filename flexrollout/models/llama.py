@@ -88,7 +88,7 @@ class LlamaForward:
         cos, sin = cos_table[meta.positions], sin_table[meta.positions]
         hidden = F.embedding(input_ids, self.body.embed_tokens.weight).to(self.dtype)
         for index, layer in enumerate(self.body.layers):
-            if _has_lora(layer):
+            if meta.lora is not None or _has_lora(layer):
                 hidden = self._lora_layer(index, layer, hidden, cos, sin, meta, cache)
                 continue
             attn, mlp = layer.self_attn, layer.mlp
@@ -109,22 +109,38 @@ class LlamaForward:
         return linear(hidden, self.hf.lm_head).float()
 
     def _lora_layer(self, index, layer, hidden, cos, sin, meta, cache) -> torch.Tensor:
-        """The same layer math, reading PEFT LoRA wrappers live through `linear`."""
+        """The same layer math through `linear`, which reads PEFT LoRA wrappers live, plus the
+        deltas of adapters named by LoRARequest for the rows that asked for them."""
         attn, mlp = layer.self_attn, layer.mlp
+
+        def proj(x, module, name):
+            out = linear(x, module)
+            return out if meta.lora is None else meta.lora.add(index, name, x, out)
+
         x = rms_norm(hidden, layer.input_layernorm.weight, self.eps)
         tokens = x.shape[0]
-        q = linear(x, attn.q_proj).view(tokens, self.num_heads, self.head_dim)
-        k = linear(x, attn.k_proj).view(tokens, self.num_kv_heads, self.head_dim)
-        v = linear(x, attn.v_proj).view(tokens, self.num_kv_heads, self.head_dim)
+        q = proj(x, attn.q_proj, "q_proj").view(tokens, self.num_heads, self.head_dim)
+        k = proj(x, attn.k_proj, "k_proj").view(tokens, self.num_kv_heads, self.head_dim)
+        v = proj(x, attn.v_proj, "v_proj").view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = rms_norm(q, attn.q_norm.weight, self.eps)
             k = rms_norm(k, attn.k_norm.weight, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(index, k, v, meta.slot_mapping)
         out = paged_attention(q, cache.k[index], cache.v[index], meta, self.scale, self.window)
-        hidden = hidden + linear(out, attn.o_proj)
+        hidden = hidden + proj(out, attn.o_proj, "o_proj")
         h = rms_norm(hidden, layer.post_attention_layernorm.weight, self.eps)
-        return hidden + linear(F.silu(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
+        act = F.silu(proj(h, mlp.gate_proj, "gate_proj")) * proj(h, mlp.up_proj, "up_proj")
+        return hidden + proj(act, mlp.down_proj, "down_proj")
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of each adaptable projection, for validating LoRA adapters."""
+        layer = self.body.layers[0]
+        mods = {"q_proj": layer.self_attn.q_proj, "k_proj": layer.self_attn.k_proj,
+                "v_proj": layer.self_attn.v_proj, "o_proj": layer.self_attn.o_proj,
+                "gate_proj": layer.mlp.gate_proj, "up_proj": layer.mlp.up_proj,
+                "down_proj": layer.mlp.down_proj}
+        return {name: tuple(getattr(m, "base_layer", m).weight.shape) for name, m in mods.items()}
 
 
 def _has_lora(layer: torch.nn.Module) -> bool:

@@ -1,0 +1,138 @@
+"""LoRA: live PEFT layers, LoRARequest adapters (saved dir / in-memory tensors), helpers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
+from flexrollout import LLM, LoRARequest, SamplingParams  # noqa: E402
+from flexrollout.lora import load_lora, save_lora  # noqa: E402
+
+from conftest import make_tiny_model  # noqa: E402
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[3, 9, 27, 81, 5], list(range(5, 45)), [7, 7, 8]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _peft(arch="llama", seed=1, **cfg):
+    model, tok = make_tiny_model(arch)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=ALL, lora_dropout=0.1, **cfg)
+    pm = get_peft_model(model, config).eval()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:                 # PEFT inits B = 0: make the adapter matter
+                p.normal_(0, 0.2)
+    return pm, tok
+
+
+def _hf(model, prompt, n=8) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                         min_new_tokens=n, do_sample=False, eos_token_id=[], pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _gen(llm, prompts=PROMPTS, **kw) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, **kw)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_peft_model_parity_and_live_update(arch):
+    pm, tok = _peft(arch)
+    llm = LLM(pm, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32)
+    assert llm.llm_engine.vllm_config.lora_config is not None
+    base_tokens = None
+    with pm.disable_adapter():
+        base_tokens = [_hf(pm, p) for p in PROMPTS]
+    got = _gen(llm)
+    assert got == [_hf(pm, p) for p in PROMPTS]
+    assert got != base_tokens                       # the adapter changes the output
+    with torch.no_grad():                           # an optimizer step, in place
+        for name, p in pm.named_parameters():
+            if "lora_A" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    assert _gen(llm) == [_hf(pm, p) for p in PROMPTS]
+
+
+def test_rslora_scaling_matches_peft():
+    pm, tok = _peft(use_rslora=True)
+    llm = LLM(pm, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32)
+    assert _gen(llm) == [_hf(pm, p) for p in PROMPTS]
+
+
+def test_dora_raises():
+    pm, tok = _peft(use_dora=True)
+    llm = LLM(pm, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32)
+    with pytest.raises(NotImplementedError, match="DoRA"):
+        _gen(llm)
+
+
+@pytest.fixture
+def saved_adapter(tmp_path):
+    """(base model, tokenizer, adapter dir, reference tokens with the adapter)."""
+    pm, tok = _peft(seed=3)
+    reference = [_hf(pm, p) for p in PROMPTS]
+    save_lora(pm, str(tmp_path / "adapter"))
+    base, _ = make_tiny_model("llama")             # same seed: the same base weights
+    return base, tok, str(tmp_path / "adapter"), reference
+
+
+def test_lora_request_from_dir_and_mixed_batch(saved_adapter):
+    base, tok, path, reference = saved_adapter
+    llm = LLM(base, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32, enable_lora=True)
+    plain = [_hf(base, p) for p in PROMPTS]
+    request = LoRARequest("a", 1, path)
+    assert _gen(llm, lora_request=request) == reference
+    mixed = _gen(llm, lora_request=[request, None, request])
+    assert mixed == [reference[0], plain[1], reference[2]]
+    assert _gen(llm) == plain                       # no adapter, no change to the base
+    assert llm.list_loras() == {1}
+
+
+def test_lora_request_in_memory_tensors(saved_adapter):
+    base, tok, path, reference = saved_adapter
+    llm = LLM(base, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32, enable_lora=True)
+    request = load_lora(base, path, load_tensors=True)
+    again = load_lora(base, path, load_tensors=True)
+    assert request.lora_int_id != again.lora_int_id       # a fresh id per call
+    assert request.lora_tensors is not None
+    assert _gen(llm, lora_request=request) == reference
+    assert _gen(llm, lora_request=load_lora(base, path)) == reference
+
+
+def test_bad_adapters_raise_before_work(saved_adapter, tmp_path):
+    base, tok, path, reference = saved_adapter
+    llm = LLM(base, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32, enable_lora=True)
+    before = llm.llm_engine.stats.prefill_steps
+    with pytest.raises(ValueError, match="lora_path"):
+        _gen(llm, lora_request=LoRARequest("missing", 5, str(tmp_path / "nope")))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{not json")
+    (broken / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="JSON"):
+        _gen(llm, lora_request=LoRARequest("broken", 6, str(broken)))
+    wrong_rank = load_lora(base, path, load_tensors=True)
+    wrong_rank.lora_config = {**wrong_rank.lora_config, "r": 8}
+    with pytest.raises(ValueError, match="expected"):
+        _gen(llm, lora_request=wrong_rank)
+    with pytest.raises(TypeError, match="lora_request"):
+        _gen(llm, lora_request="adapter")
+    assert llm.llm_engine.stats.prefill_steps == before
+    assert _gen(llm, lora_request=LoRARequest("a", 1, path)) == reference
+
+
+def test_save_lora_writes_only_adapter(saved_adapter):
+    _, _, path, _ = saved_adapter
+    cfg = json.loads(open(f"{path}/adapter_config.json").read())
+    assert cfg["r"] == 4
+    from safetensors.torch import load_file
+
+    assert all("lora_" in k for k in load_file(f"{path}/adapter_model.safetensors"))
