@@ -148,7 +148,7 @@ def bench(args) -> dict:
     weights = _weight_bytes(model)
     result["weight_GB"] = weights / 1e9
     vocab = model.config.vocab_size
-    max_seqs = max(batch_sizes + ([64] if args.workload == "grpo" else []))
+    max_seqs = max(batch_sizes + ([64] if "grpo" in args.workload else []))
     t1 = time.perf_counter()
     llm = LLM(model, tokenizer=None, max_model_len=model_len, max_num_seqs=max_seqs,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
@@ -160,11 +160,12 @@ def bench(args) -> dict:
     spec = llm.llm_engine.spec
     kv_per_token = sum(2 * s.num_kv_heads * s.head_dim for s in spec.layers) * torch.empty((), dtype=dtype).element_size()
     rows = []
-    if args.workload == "decode":
+    workloads = args.workload.split(",")
+    if "decode" in workloads:
         for batch in batch_sizes:
             tok_s = run_decode(llm, batch, args.prompt_len, args.max_tokens, vocab)
             ctx = args.prompt_len + args.max_tokens / 2
-            row = {"batch": batch, "tok_s": tok_s}
+            row = {"workload": "decode", "batch": batch, "tok_s": tok_s}
             if "bandwidth_GBs" in result:
                 roof = batch * result["bandwidth_GBs"] * 1e9 / (weights + batch * ctx * kv_per_token)
                 row.update(roofline_tok_s=roof, roofline_pct=100 * tok_s / roof)
@@ -173,7 +174,7 @@ def bench(args) -> dict:
                 row["x_hf"] = tok_s / row["hf_tok_s"]
             rows.append(row)
             logger.warning("%s", row)
-    elif args.workload == "grpo":
+    if "grpo" in workloads:
         params = SamplingParams(n=8, temperature=1.0, max_tokens=512, logprobs=0, seed=None)
         prompts = _prompts(8, 256, vocab, 3)
         llm.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=8, logprobs=0), use_tqdm=False)
@@ -183,8 +184,9 @@ def bench(args) -> dict:
         _sync(device)
         elapsed = time.perf_counter() - start
         generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        rows.append({"batch": 64, "tok_s": generated / elapsed, "generated": generated, "seconds": elapsed})
-    elif args.workload == "prefill":
+        rows.append({"workload": "grpo", "batch": 64, "tok_s": generated / elapsed,
+                     "generated": generated, "seconds": elapsed})
+    if "prefill" in workloads:
         flops = measure_matmul(device) if device == "cuda" else None
         prompts = _prompts(64, 512, vocab, 4)
         llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
@@ -193,7 +195,7 @@ def bench(args) -> dict:
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         _sync(device)
         tokens_s = 64 * 512 / (time.perf_counter() - start)
-        row = {"prefill_tok_s": tokens_s}
+        row = {"workload": "prefill", "prefill_tok_s": tokens_s}
         if flops:
             params_count = weights / torch.empty((), dtype=dtype).element_size()
             row.update(matmul_TFLOPs=flops / 1e12, mfu_pct=100 * tokens_s * 2 * params_count / flops)
@@ -229,7 +231,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--batch-sizes", default="1,8,64")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--workload", default="decode", choices=["decode", "grpo", "prefill"])
+    p.add_argument("--workload", default="decode",
+                   help="decode, grpo, prefill, or a comma list of them (one model, one engine)")
     p.add_argument("--compare", choices=["hf"], default=None)
     p.add_argument("--hf-max-tokens", type=int, default=64, help="new tokens for the HF baseline")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

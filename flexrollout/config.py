@@ -33,6 +33,10 @@ class EngineConfig:
     cpu_kv_cache_tokens: int = 8192
     # No CUDA graphs (vLLM's meaning). Compilation of the layer math is separate: compile_layers.
     enforce_eager: bool = False
+    # PEFT LoRA layers: "live" reads A/B every step (no copy; an optimizer step is seen at once);
+    # "merged" keeps merged copies of the adapted matrices, refreshed before a generate that
+    # follows a change (faster decode, one extra matrix per adapted projection).
+    lora_mode: str = "live"
     # torch.compile the per-layer norm/RoPE/MLP math on CUDA (fuses ~30 small kernels per layer).
     compile_layers: bool = True
     # Share the KV pages of identical prompts inside one generate call (GRPO groups).
@@ -54,6 +58,8 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if self.lora_mode not in ("live", "merged"):
+            raise ValueError(f"lora_mode must be 'live' or 'merged', got {self.lora_mode!r}")
         if self.attention_backend not in ("auto", "flex", "reference"):
             raise ValueError("attention_backend must be 'auto', 'flex' or 'reference', "
                              f"got {self.attention_backend!r}")

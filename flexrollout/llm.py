@@ -12,6 +12,7 @@ from .config import EngineConfig, resolve_dtype
 from .engine.engine import LLMEngine
 from .engine.sequence import Sequence
 from .lora import AdapterRegistry
+from .lora.merged import MergedLora
 from .lora_request import LoRARequest
 from .weights import ModelExecutor
 from .models import build_forward, unwrap_peft
@@ -68,6 +69,8 @@ class LLM:
             raise ValueError(f"dtype={dtype!r} differs from the in-memory model's {param.dtype}; "
                              f"flexrollout never copies weights, so cast the model itself or pass 'auto'")
         forward = build_forward(self.model, run_dtype)
+        if self.config.lora_mode == "merged":
+            forward.merged = MergedLora(self.model)
         spec = forward.spec()
         model_len = max_model_len or spec.max_position_embeddings
         device = torch.device(self.config.device) if self.config.device else param.device
@@ -251,6 +254,9 @@ class LLM:
     def _check_weights(self) -> None:
         if self._weights_offloaded:
             raise RuntimeError("the weights are asleep; call wake_up() (or wake_up(tags=['weights']))")
+        merged = self.llm_engine.forward.merged
+        if merged is not None:
+            merged.refresh()          # in place: graphs that read the merged tensors stay valid
         key = self._weights_fingerprint()
         if key != self._weights_key:
             logger.info("model parameters moved or changed structure; re-capturing decode graphs")

@@ -136,3 +136,24 @@ def test_save_lora_writes_only_adapter(saved_adapter):
     from safetensors.torch import load_file
 
     assert all("lora_" in k for k in load_file(f"{path}/adapter_model.safetensors"))
+
+
+def test_merged_mode_matches_peft_and_refreshes_after_update():
+    pm, tok = _peft(seed=5)
+    llm = LLM(pm, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32, lora_mode="merged")
+    base_before = {n: p.clone() for n, p in pm.named_parameters() if "base_layer" in n}
+    assert _gen(llm) == [_hf(pm, p) for p in PROMPTS]
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-1.5)                      # an in-place update: must be re-merged
+    assert _gen(llm) == [_hf(pm, p) for p in PROMPTS]
+    for name, p in pm.named_parameters():       # the trainer's base weights never drift
+        if "base_layer" in name:
+            assert torch.equal(p, base_before[name])
+
+
+def test_bad_lora_mode():
+    model, tok = make_tiny_model("llama")
+    with pytest.raises(ValueError, match="lora_mode"):
+        LLM(model, tokenizer=tok, max_model_len=128, lora_mode="fused")

@@ -60,6 +60,7 @@ class LlamaForward:
         self.window = None
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._qkv, self._out = qkv_rope, out_mlp
+        self.merged = None        # a MergedLora in lora_mode="merged"
 
     def spec(self) -> ModelSpec:
         layer = LayerSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
@@ -88,22 +89,28 @@ class LlamaForward:
         cos, sin = cos_table[meta.positions], sin_table[meta.positions]
         hidden = F.embedding(input_ids, self.body.embed_tokens.weight).to(self.dtype)
         for index, layer in enumerate(self.body.layers):
-            if meta.lora is not None or _has_lora(layer):
+            if meta.lora is not None or (self.merged is None and _has_lora(layer)):
                 hidden = self._lora_layer(index, layer, hidden, cos, sin, meta, cache)
                 continue
             attn, mlp = layer.self_attn, layer.mlp
+            w, b = self._weight, _bias
             q, k, v = self._qkv(
-                hidden, layer.input_layernorm.weight, attn.q_proj.weight, attn.q_proj.bias,
-                attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight, attn.v_proj.bias,
+                hidden, layer.input_layernorm.weight, w(attn.q_proj), b(attn.q_proj),
+                w(attn.k_proj), b(attn.k_proj), w(attn.v_proj), b(attn.v_proj),
                 attn.q_norm.weight if self.qk_norm else None,
                 attn.k_norm.weight if self.qk_norm else None,
                 cos, sin, self.eps, self.num_heads, self.num_kv_heads, self.head_dim)
             cache.write(index, k, v, meta.slot_mapping)
             out = paged_attention(q, cache.k[index], cache.v[index], meta, self.scale, self.window)
-            hidden = self._out(out, hidden, attn.o_proj.weight, attn.o_proj.bias,
-                               layer.post_attention_layernorm.weight, mlp.gate_proj.weight,
-                               mlp.up_proj.weight, mlp.down_proj.weight, self.eps)
+            hidden = self._out(out, hidden, w(attn.o_proj), b(attn.o_proj),
+                               layer.post_attention_layernorm.weight, w(mlp.gate_proj),
+                               w(mlp.up_proj), w(mlp.down_proj), self.eps)
         return rms_norm(hidden, self.body.norm.weight, self.eps)
+
+    def _weight(self, module: torch.nn.Module) -> torch.Tensor:
+        if self.merged is not None:
+            return self.merged.weight(module)
+        return module.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.hf.lm_head).float()
@@ -141,6 +148,10 @@ class LlamaForward:
                 "gate_proj": layer.mlp.gate_proj, "up_proj": layer.mlp.up_proj,
                 "down_proj": layer.mlp.down_proj}
         return {name: tuple(getattr(m, "base_layer", m).weight.shape) for name, m in mods.items()}
+
+
+def _bias(module: torch.nn.Module) -> torch.Tensor | None:
+    return getattr(module, "base_layer", module).bias
 
 
 def _has_lora(layer: torch.nn.Module) -> bool:
