@@ -36,6 +36,7 @@ class DecodeGraphs:
         self.runner = runner
         self.buckets = batch_buckets(max_num_seqs)
         self.vocab = runner.forward.spec().vocab_size
+        self._num_int = sum(dtype == torch.long for _, dtype in self._VARS)
         self.packed = torch.zeros(len(self._VARS), max_num_seqs, dtype=torch.long, device=runner.device)
         self.staging = torch.zeros(len(self._VARS), max_num_seqs, dtype=torch.long).pin_memory()
         self.graph_vars: dict[str, torch.Tensor] = {
@@ -58,17 +59,15 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= batch)
 
     def _fill(self, inputs: dict[str, list[int]], st: SamplingTensors, batch: int, bucket: int) -> None:
-        """Write this step's rows (and harmless padding rows) into the static inputs."""
+        """Write this step's rows (and harmless padding rows) into the static inputs: two host
+        tensors, one pinned staging buffer, one host-to-device copy."""
         staging = self.staging
-        staging[:, :bucket].zero_()
-        for i, (name, dtype) in enumerate(self._VARS):
-            values = inputs[name] if name in inputs else getattr(st, name)
-            row = torch.as_tensor(values, dtype=dtype)
-            if dtype == torch.float32:
-                # Little-endian bit-cast into the low half of each int64 cell.
-                staging[i, :batch] = row.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-            else:
-                staging[i, :batch] = row
+        staging[:, batch:bucket].zero_()
+        int_rows = [inputs[n] if n in inputs else getattr(st, n) for n, d in self._VARS if d == torch.long]
+        staging[:self._num_int, :batch] = torch.stack([torch.as_tensor(r, dtype=torch.long) for r in int_rows])
+        floats = torch.stack([getattr(st, n) for n, d in self._VARS if d == torch.float32])
+        # Little-endian bit-cast into the low half of each int64 cell.
+        staging[self._num_int:, :batch] = floats.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         # Padding rows: slot 0 / page 0, greedy, untruncated.
         staging[self._index("top_k"), batch:bucket] = self.vocab
         staging[self._index("top_p"), batch:bucket] = _float_bits(1.0)

@@ -58,6 +58,8 @@ class Sequence:
 
     def banned_next_tokens(self) -> list[int]:
         """Last tokens of bad words whose other tokens end the output so far (vLLM's rule)."""
+        if not self.bad_words_ids:
+            return []
         banned = []
         generated = self.generated_ids
         for word in self.bad_words_ids:
