@@ -326,6 +326,11 @@ class LLM:
             bad = [t for t in getattr(params, name) or () if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"sampling_params.{name} has ids outside [0, {vocab}): {bad[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise ValueError(f"sampling_params.{name}={k} exceeds the vocabulary size {vocab} "
+                                 f"(use -1 for all tokens)")
         bad = [t for t in params.logit_bias or {} if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"sampling_params.logit_bias has ids outside [0, {vocab}): {bad[:5]}")

@@ -7,8 +7,9 @@ flexrollout runs by design.
 * Exact checks (logprobs, prompt logprobs, penalties, stop conditions) use SmolLM2-135M-Instruct in fp32.
 * Distribution checks use a tiny random Llama whose ``lm_head`` is scaled up (``PEAKY_SCALE``) so the next-token
   distribution is neither flat nor one-hot; thousands of one-token samples of one prompt share one prefill per
-  group part.  Each check is a chi-square test at a ~3e-7 false-alarm level, and asserts its own power: the same
-  counts must be rejected against a reference with the wrong temperature.
+  group part.  Each case must pass a chi-square test (shape) and a z-test on the mean logit of the drawn tokens
+  (temperature-sensitive), both at a false-alarm level below 1e-6, and asserts its own power: the same counts
+  are rejected against references with a wrong temperature.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from flexrollout import LLM, SamplingParams
 PAGE = 16
 PEAKY_SCALE = 10.0  # lm_head multiplier for the tiny model: logit std ~1.7 instead of ~0.17
 LP_TOL = 1e-4  # engine vs HF logprob tolerance (fp32, different attention code paths)
-
 
 def _chat_ids(tok, content: str) -> list[int]:
     return tok.apply_chat_template(
@@ -119,6 +119,14 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
         obs, exp = obs[:-1], exp[:-1]
     stat = float(((obs - exp) ** 2 / exp).sum())
     return stat, int(obs.numel()) - 1
+
+
+def _mean_z(counts: torch.Tensor, probs: torch.Tensor, logits: torch.Tensor) -> float:
+    """z-score of the draws' mean logit against its expectation under ``probs`` (a temperature-sensitive test)."""
+    n = float(counts.sum())
+    mean = (probs * logits).sum()
+    var = (probs * (logits - mean) ** 2).sum()
+    return float(((counts.double() * logits).sum() / n - mean) / (var / n).sqrt())
 
 
 def _reference_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
@@ -281,36 +289,41 @@ def test_logprobs_off_gives_none(tiny):
     assert out.outputs[0].logprobs is None and out.outputs[0].cumulative_logprob is None
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: logprobs=-1 (whole vocabulary) returns only the sampled token "
-                                       "(LLMEngine._record_logprobs only adds the top-k when k > 0)")
 def test_logprobs_minus_one_returns_whole_vocab(tiny, peaky):
-    model, _ = peaky
+    model, tok = peaky
     out = tiny.generate([P1], SamplingParams(temperature=1.0, seed=3, logprobs=-1, max_tokens=2, ignore_eos=True),
-                        use_tqdm=False)[0]
+                        use_tqdm=False)[0].outputs[0]
+    gen = list(out.token_ids)
+    logits = _hf_logits(model, P1 + gen)
     vocab = model.config.vocab_size
-    assert [len(d) for d in out.outputs[0].logprobs] == [vocab, vocab]
+    for j, token in enumerate(gen):
+        assert len(out.logprobs[j]) == vocab
+        _check_logprob_entry(out.logprobs[j], token, logits[len(P1) - 1 + j].log_softmax(-1), vocab, tok)
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: prompt_logprobs=-1 (whole vocabulary) returns only the prompt "
-                                       "token (LLMEngine._prompt_logprobs only takes a top-k when k > 0)")
 def test_prompt_logprobs_minus_one_returns_whole_vocab(tiny, peaky):
-    model, _ = peaky
+    model, tok = peaky
     out = tiny.generate([P1], SamplingParams(temperature=1.0, seed=3, prompt_logprobs=-1, max_tokens=1),
                         use_tqdm=False)[0]
-    assert [len(d) for d in out.prompt_logprobs[1:]] == [model.config.vocab_size] * (len(P1) - 1)
+    assert len(out.prompt_logprobs) == len(P1) and out.prompt_logprobs[0] is None
+    ref = _hf_logits(model, P1).log_softmax(-1)
+    for i in range(1, len(P1)):
+        assert len(out.prompt_logprobs[i]) == model.config.vocab_size
+        _check_logprob_entry(out.prompt_logprobs[i], P1[i], ref[i - 1], model.config.vocab_size, tok)
 
 
 # ============================================================================================ 3. distributions
 
 DIST_PROMPT = list(range(20, 20 + PAGE))  # exactly one page: group members share it, no partial-page copies
-DIST_SAMPLES = 4000
+DIST_SAMPLES = 8000
+Z_LIMIT = 5.0  # |z| above this has probability ~6e-7 under the right distribution
 DIST_CASES = {
-    # name: (sampling kwargs, wrong temperature the counts must be rejected against)
-    "temperature-0.5": (dict(temperature=0.5), 0.6),
-    "temperature-1.5": (dict(temperature=1.5), 1.2),
-    "top_k-8": (dict(temperature=1.0, top_k=8), 1.4),
-    "top_p-0.6": (dict(temperature=0.8, top_p=0.6), 1.0),
-    "min_p-0.1": (dict(temperature=1.2, min_p=0.1), 0.9),
+    # name: (sampling kwargs, temperature factors whose (same-support) references the counts must reject)
+    "temperature-0.5": (dict(temperature=0.5), (0.9, 1.1)),
+    "temperature-1.5": (dict(temperature=1.5), (0.9, 1.1)),
+    "top_k-8": (dict(temperature=1.0, top_k=8), (0.8, 1.25)),
+    "top_p-0.6": (dict(temperature=0.8, top_p=0.6), (0.8, 1.25)),
+    "min_p-0.1": (dict(temperature=1.2, min_p=0.1), (0.8, 1.25)),
 }
 
 
@@ -336,7 +349,7 @@ def distribution_counts(peaky):
 @pytest.mark.parametrize("case", sorted(DIST_CASES))
 def test_sampling_distribution_matches_reference(case, distribution_counts):
     counts, logits = distribution_counts
-    kwargs, wrong_temperature = DIST_CASES[case]
+    kwargs, wrong_factors = DIST_CASES[case]
     count = counts[case]
     filters = {k: v for k, v in kwargs.items() if k != "temperature"}
     probs = _reference_probs(logits, kwargs["temperature"], **filters)
@@ -346,11 +359,16 @@ def test_sampling_distribution_matches_reference(case, distribution_counts):
     stat, df = _chi2(count, probs)
     assert df >= 5, "too few bins: the test would have no power"
     assert stat < _chi2_critical(df), f"chi2={stat:.1f} df={df} vs critical {_chi2_critical(df):.1f}"
+    z = _mean_z(count, probs, logits)
+    assert abs(z) < Z_LIMIT, f"mean logit of the draws is {z:.1f} standard errors off"
 
     # the test can fail: the same counts are rejected against a wrong temperature (same support)
-    wrong = (logits.double() / wrong_temperature).softmax(-1) * (probs > 0)
-    wrong_stat, wrong_df = _chi2(count, wrong / wrong.sum())
-    assert wrong_stat > _chi2_critical(wrong_df), "test has no power against a wrong temperature"
+    for factor in wrong_factors:
+        wrong = (logits.double() / (kwargs["temperature"] * factor)).softmax(-1) * (probs > 0)
+        wrong = wrong / wrong.sum()
+        wrong_stat, wrong_df = _chi2(count, wrong)
+        rejected = wrong_stat > _chi2_critical(wrong_df) or abs(_mean_z(count, wrong, logits)) > Z_LIMIT
+        assert rejected, f"no power against temperature x{factor}"
     if filters:  # truncation really cut something that the untruncated distribution would have drawn
         full = (logits.double() / kwargs["temperature"]).softmax(-1)
         assert float(full[probs == 0].sum()) * DIST_SAMPLES > 50
@@ -405,7 +423,7 @@ def stop_case(smol, hf_greedy):
     return ids, ref.tokens
 
 
-def test_stop_strings_tokens_and_eos(smol, stop_case, hf_greedy):
+def test_stop_strings_tokens_and_eos(smol, stop_case):
     llm, tok = smol.llm, smol.tok
     ids, ref = stop_case  # e.g. "The capital of France is Paris." + <|im_end|>
     k = len(ref)
@@ -469,9 +487,10 @@ def test_min_tokens_and_ignore_eos(smol, stop_case, hf_greedy):
     )
     held, ignored = outs[0].outputs[0], outs[1].outputs[0]
     assert list(held.token_ids) == ref_min
-    assert len(held.token_ids) > k
+    assert len(held.token_ids) >= min_tokens > k
     assert not set(held.token_ids[:min_tokens]) & set(smol.eos)
-    assert held.token_ids[: k - 1] == ref[: k - 1]
+    assert list(held.token_ids[: k - 1]) == ref[: k - 1]
+    assert held.finish_reason == ("stop" if len(ref_min) < max_tokens else "length")
 
     assert list(ignored.token_ids) == ref_ignore and ignored.token_ids[k - 1] in smol.eos
     assert ignored.finish_reason == "length" and ignored.stop_reason is None
@@ -561,23 +580,24 @@ def test_allowed_token_ids_restrict_samples(tiny, peaky):
 
 
 def test_bad_words_match_hf_and_never_appear(tiny, peaky, hf_greedy):
+    """bad_words: a one-token word is never generated; a two-token word's last token is banned right after its
+    first.  Greedy output equals HF ``generate(bad_words_ids=...)``."""
     model, tok = peaky
-    greedy = hf_greedy(model, P2, 12).tokens
-    single = greedy[2]
-    # a two-token bad word taken from the greedy path (its first token is not the prompt's last one)
-    j = next(j for j in range(1, len(greedy) - 1) if greedy[j] != single and greedy[j + 1] != single)
-    pair = [greedy[j], greedy[j + 1]]
-    assert pair[0] != P2[-1]
+    single = hf_greedy(model, P2, 12).tokens[2]
+    ref_single = _hf_generate(model, P2, 12, [], bad_words_ids=[[single]])
+    # a two-token bad word taken from the path that avoids `single`; its first token is not the prompt's last one
+    j = next(j for j in range(len(ref_single) - 1) if ref_single[j] != P2[-1])
+    pair = ref_single[j:j + 2]
     words = [tok.decode([single]), tok.decode(pair)]
     assert tok(words[0]).input_ids == [single] and tok(words[1]).input_ids == pair
 
     ref = _hf_generate(model, P2, 12, [], bad_words_ids=[[single], pair])
+    assert ref[:j + 1] == ref_single[:j + 1] and ref[j + 1] != pair[1]  # the pair ban really acted
     out = tiny.generate([{"prompt_token_ids": P2}], SamplingParams(
         temperature=0.0, max_tokens=12, ignore_eos=True, bad_words=words), use_tqdm=False)[0]
     gen = _tokens(out)
     assert gen == ref
-    assert single not in gen
-    assert all(gen[i:i + 2] != pair for i in range(len(gen) - 1))
+    assert single not in gen and all(gen[i:i + 2] != pair for i in range(len(gen) - 1))
 
     # sampled too: many draws, never a bad word
     out = tiny.generate([{"prompt_token_ids": P2}], SamplingParams(
@@ -687,6 +707,36 @@ def test_structured_outputs_not_implemented():
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
     with pytest.raises(NotImplementedError, match="guided_decoding"):
         SamplingParams(guided_decoding=GuidedDecodingParams(choice=["a", "b"]))
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_logprobs_above_vocab_raise_and_engine_stays_usable(peaky, hf_greedy, field):
+    model, _ = peaky
+    llm = _tiny_llm(peaky)  # its own engine: the failure must not leak into other tests
+    with pytest.raises(ValueError, match=field):
+        llm.generate([P1], SamplingParams(temperature=1.0, seed=1, max_tokens=2, **{field: 600}), use_tqdm=False)
+    out = llm.generate([P1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert _tokens(out) == hf_greedy(model, P1, 4).tokens
+
+
+def test_failure_inside_a_step_leaves_no_stale_work(peaky, hf_greedy, engine_stats, monkeypatch):
+    model, _ = peaky
+    llm = _tiny_llm(peaky)
+    runner = llm.llm_engine.runner
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(runner, "prefill", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([P2, P3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    monkeypatch.undo()
+    before = engine_stats(llm)
+    out = llm.generate([P1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    after = engine_stats(llm)
+    assert _tokens(out) == hf_greedy(model, P1, 4).tokens
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(P1), "the failed call's prompts were prefilled"
+    assert after["decode_steps"] - before["decode_steps"] == 3
 
 
 @pytest.mark.parametrize(

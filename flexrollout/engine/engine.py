@@ -140,8 +140,13 @@ class LLMEngine:
         for group in groups:
             for part in self._fitting_groups(group):
                 self.scheduler.add_group(part)
-        while self.scheduler.has_work():
-            self.step(on_finish)
+        try:
+            while self.scheduler.has_work():
+                self.step(on_finish)
+        except BaseException:
+            # Leave nothing of this call behind: the next call must start clean.
+            self.scheduler.abort_all()
+            raise
 
     def _fitting_groups(self, group: list[Sequence]) -> list[list[Sequence]]:
         """Split a group whose members cannot be admitted together (slots or pages)."""
@@ -230,15 +235,20 @@ class LLMEngine:
 
     def _record_logprobs(self, seq: Sequence, token: int, extras, row: int) -> None:
         sampled_lp, ranks, top = extras
-        entry = {token: Logprob(sampled_lp[row], ranks[row], self._token_text(token))}
-        k = seq.params.logprobs
+        text = self._token_text if seq.params.detokenize else _no_text
+        entry = {token: Logprob(sampled_lp[row], ranks[row], text(token))}
+        k = self._top_count(seq.params.logprobs)
         if top is not None and k > 0:
             for rank, (tid, value) in enumerate(zip(top[0][row][:k], top[1][row][:k]), start=1):
-                entry.setdefault(tid, Logprob(value, rank, self._token_text(tid)))
+                entry.setdefault(tid, Logprob(value, rank, text(tid)))
         if seq.logprobs is None:
             seq.logprobs = []
         seq.logprobs.append(entry)
         seq.cumulative_logprob += sampled_lp[row]
+
+    def _top_count(self, k: int) -> int:
+        """vLLM's -1 means the whole vocabulary."""
+        return self.spec.vocab_size if k == -1 else k
 
     def _token_text(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
@@ -255,13 +265,14 @@ class LLMEngine:
         target_t = torch.tensor(targets, device=logprobs.device)
         chosen = logprobs.gather(1, target_t[:, None]).squeeze(1)
         ranks = (logprobs > chosen[:, None]).sum(-1) + 1
-        k = seq.params.prompt_logprobs
+        k = self._top_count(seq.params.prompt_logprobs)
+        text = self._token_text if seq.params.detokenize else _no_text
         top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
         for i, token in enumerate(targets):
-            entry = {token: Logprob(chosen[i].item(), int(ranks[i]), self._token_text(token))}
+            entry = {token: Logprob(chosen[i].item(), int(ranks[i]), text(token))}
             if k > 0:
                 for rank, (tid, value) in enumerate(zip(top_ids[i].tolist(), top_lp[i].tolist()), 1):
-                    entry.setdefault(tid, Logprob(value, rank, self._token_text(tid)))
+                    entry.setdefault(tid, Logprob(value, rank, text(tid)))
             seq.prompt_logprobs.append(entry)
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
@@ -285,3 +296,8 @@ class LLMEngine:
         if params.detokenize and self.tokenizer is not None:
             seq.text = final_text(self.tokenizer, seq, stopped_by_token)
         return True
+
+
+def _no_text(token: int) -> None:
+    """decoded_token when the request asked for detokenize=False (as vLLM)."""
+    return None

@@ -49,6 +49,8 @@ class PageTable:
 
     def release_slot(self, slot: int) -> None:
         """Drop the slot and every page it references (pages shared with others survive)."""
+        # Unflushed table writes of this slot must not land on the slot's next owner.
+        self._pending = [entry for entry in self._pending if entry[0] != slot]
         for page in self.pages.pop(slot):
             self.refcount[page] -= 1
             if self.refcount[page] == 0:

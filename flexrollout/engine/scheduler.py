@@ -108,6 +108,14 @@ class Scheduler:
         self.waiting.appendleft([seq])
         self.num_preemptions += 1
 
+    def abort_all(self) -> None:
+        """Drop every sequence (a step failed): free their slots and pages."""
+        for seq in list(self.running):
+            self.pages.release_slot(seq.slot)
+            seq.slot, seq.status = 0, Status.FINISHED
+        self.running.clear()
+        self.waiting.clear()
+
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pages.release_slot(seq.slot)

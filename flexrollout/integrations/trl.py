@@ -37,14 +37,21 @@ _PATCH_MARK = "_flexrollout_patched"
 _ORIGINALS: dict[str, object] = {}
 # The VLLMGeneration whose `_init_vllm` is running: the `LLM` factory below builds over its model.
 _BUILDING = contextvars.ContextVar("flexrollout_trl_building", default=None)
+# Extra `LLM(...)` keyword arguments for every engine TRL builds (the last patch_trl call's).
+_ENGINE_KWARGS: dict = {}
 
 
-def patch_trl() -> None:
+def patch_trl(**engine_kwargs) -> None:
     """Make TRL's colocated vLLM path (`use_vllm=True, vllm_mode="colocate"`) run on flexrollout.
 
-    Call it before building the trainer. Idempotent. Raises `ImportError` when TRL is missing
+    Call it before building the trainer. Idempotent: calling it again changes nothing but the
+    engine options. `engine_kwargs` (flexrollout `LLM` / `EngineConfig` keyword arguments such as
+    `lora_mode="merged"`, `num_kv_pages=...`, `enforce_eager=True`) are added to, and override,
+    the arguments TRL passes when it builds an engine. Raises `ImportError` when TRL is missing
     and `RuntimeError` for a TRL release whose vLLM code path this patch cannot drive.
     """
+    _ENGINE_KWARGS.clear()
+    _ENGINE_KWARGS.update(engine_kwargs)
     try:
         import trl
     except ImportError as exc:
@@ -83,13 +90,16 @@ def patch_trl() -> None:
 
 # -- version / structure checks ------------------------------------------------------------------
 def _vllm_generation_module(version: str):
-    try:
-        from trl.generation import vllm_generation as vg
-    except ImportError as exc:
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("trl.generation") is None or \
+            importlib.util.find_spec("trl.generation.vllm_generation") is None:
         raise RuntimeError(
             f"flexrollout.patch_trl() supports TRL >= {MIN_TRL_VERSION}; TRL {version} has no "
             f"trl.generation.vllm_generation (its vLLM code lives inside GRPOTrainer). "
-            f"Upgrade TRL: pip install 'trl>={MIN_TRL_VERSION}'") from exc
+            f"Upgrade TRL: pip install 'trl>=1.15'")
+    vg = importlib.import_module("trl.generation.vllm_generation")
     if not inspect.isclass(getattr(vg, "VLLMGeneration", None)):
         raise RuntimeError(f"flexrollout.patch_trl(): TRL {version} has no "
                            f"trl.generation.vllm_generation.VLLMGeneration; supported: TRL >= "
@@ -174,6 +184,7 @@ def _trl_llm(model=None, tokenizer=None, **kwargs):
     from flexrollout.llm import LLM
 
     gen = _BUILDING.get()
+    kwargs.update(_ENGINE_KWARGS)
     if gen is None:
         return LLM(model, tokenizer=tokenizer, **kwargs)
     target = _rollout_model(gen)
