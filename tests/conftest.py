@@ -389,3 +389,23 @@ def fingerprint_model(model) -> dict:
 def model_fingerprint():
     """``model_fingerprint(model) -> dict`` (see ``fingerprint_model``)."""
     return fingerprint_model
+
+
+def random_prompts(lengths, seed: int) -> list[list[int]]:
+    """Token-id prompts of the given lengths for the tiny models (ids 2..499)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+def tiny_llm(model, tok, **overrides):
+    """An LLM over a tiny model with small, explicit sizes; overrides win (aliases included)."""
+    from flexrollout import LLM
+
+    kwargs = dict(tokenizer=tok, dtype="float32", max_model_len=128, max_num_seqs=4, block_size=16,
+                  num_gpu_blocks_override=64, max_num_batched_tokens=256, seed=0)
+    if "page_size" in overrides:  # the alias replaces the vLLM name rather than conflicting with it
+        del kwargs["block_size"]
+    if "num_kv_pages" in overrides:
+        del kwargs["num_gpu_blocks_override"]
+    kwargs.update(overrides)
+    return LLM(model, **kwargs)

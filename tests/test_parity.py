@@ -14,6 +14,8 @@ import torch
 
 from flexrollout import LLM, SamplingParams
 
+from conftest import random_prompts, tiny_llm
+
 LONG_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith "
     "from Mainz, combined several existing technologies into a single system for producing books. Movable type "
@@ -209,23 +211,11 @@ TINY_MAX_TOKENS = 12
 
 
 def _tiny_prompts(seed=8, lengths=(7, 16, 30, 1)):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 500, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(lengths, seed)
 
 
 def _tiny_llm(model, tok, **overrides):
-    kwargs = dict(
-        tokenizer=tok,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
-        block_size=16,
-        num_gpu_blocks_override=32,
-        max_num_batched_tokens=256,
-        seed=0,
-    )
-    kwargs.update(overrides)
-    return LLM(model, **kwargs)
+    return tiny_llm(model, tok, **{"num_gpu_blocks_override": 32, **overrides})
 
 
 def test_tiny_variant_parity(tiny_model, hf_greedy):

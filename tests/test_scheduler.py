@@ -13,29 +13,11 @@ import torch
 
 from flexrollout import LLM, SamplingParams
 
-
-def _prompts(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 500, (n,), generator=g).tolist() for n in lengths]
+from conftest import random_prompts, tiny_llm
 
 
-def _llm(model, tok, **overrides):
-    kwargs = dict(
-        tokenizer=tok,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
-        block_size=16,
-        num_gpu_blocks_override=64,
-        max_num_batched_tokens=256,
-        seed=0,
-    )
-    if "page_size" in overrides:  # the alias replaces the vLLM name rather than conflicting with it
-        del kwargs["block_size"]
-    if "num_kv_pages" in overrides:
-        del kwargs["num_gpu_blocks_override"]
-    kwargs.update(overrides)
-    return LLM(model, **kwargs)
+_prompts = random_prompts
+_llm = tiny_llm
 
 
 def _greedy(max_tokens):
