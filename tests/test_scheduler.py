@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from flexrollout import LLM, SamplingParams
+from flexrollout import SamplingParams
 
 from conftest import random_prompts, tiny_llm
 
