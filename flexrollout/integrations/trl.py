@@ -188,7 +188,7 @@ def _trl_llm(model=None, tokenizer=None, **kwargs):
     if gen is None:
         return LLM(model, tokenizer=tokenizer, **kwargs)
     target = _rollout_model(gen)
-    tok = getattr(gen.processing_class, "tokenizer", gen.processing_class)
+    tok = _tokenizer_of(gen.processing_class)
     logger.info("building the flexrollout engine over the trainer's %s (not loading %r again)",
                 type(target).__name__, model)
     return LLM(target, tokenizer=tok, **kwargs)
@@ -224,6 +224,15 @@ def _check_sleep_support(cls) -> None:
         raise NotImplementedError(
             f"vllm_enable_sleep_mode=True needs LLM.{', LLM.'.join(missing)}, which this "
             f"flexrollout version lacks; set vllm_enable_sleep_mode=False")
+
+
+def _tokenizer_of(processing_class):
+    """A multimodal processor's tokenizer, or the tokenizer itself."""
+    from transformers import PreTrainedTokenizerBase
+
+    if isinstance(processing_class, PreTrainedTokenizerBase):
+        return processing_class
+    return getattr(processing_class, "tokenizer", processing_class)
 
 
 def _rollout_model(gen):
