@@ -80,6 +80,8 @@ class LLM:
         self.llm_engine.model_executor = ModelExecutor(self.model)
         # Weights this engine loaded itself may be offloaded by sleep(); a trainer's never are.
         self._owns_weights = isinstance(model, str)
+        # Unsloth reads this: True when the engine runs over a trainer's own parameters.
+        self.shared_weights = not self._owns_weights
         self._weights_offloaded = False
         self._weights_key = self._weights_fingerprint()
         self._lora_registry: AdapterRegistry | None = None

@@ -75,3 +75,47 @@ def test_short_packed_prefill_bf16():
             ref = model(torch.tensor([prompt], device="cuda")).logits[0, -1].float().log_softmax(-1)
         token, lp = next(iter(out.outputs[0].logprobs[0].items()))
         assert abs(lp.logprob - ref[token].item()) < 0.05
+
+
+def _peft_on_gpu(rank: int = 8):
+    from peft import LoraConfig, get_peft_model
+
+    model = random_model("qwen3-0.6b", torch.float32, "cuda", 2048)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    pm = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets)).eval()
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return pm
+
+
+@pytest.mark.parametrize("lora_mode", ["live", "merged"])
+def test_captured_graphs_follow_in_place_lora_update(lora_mode):
+    pm = _peft_on_gpu()
+    prompts = _prompts(pm.config.vocab_size, lengths=(9, 70), seed=4)
+    llm = LLM(pm, max_model_len=512, max_num_seqs=4, num_kv_pages=16, lora_mode=lora_mode)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.llm_engine.runner.graphs.graphs, "decode should have replayed a captured graph"
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-3.0)                      # an optimizer-like in-place update
+    second = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    reference = [_hf_greedy(pm, p, 12) for p in prompts]
+    assert second == reference and second != first
+
+
+def test_merged_refresh_keeps_base_bit_identical():
+    pm = _peft_on_gpu()
+    llm = LLM(pm, max_model_len=256, max_num_seqs=2, num_kv_pages=8, lora_mode="merged")
+    base = {n: p.detach().clone() for n, p in pm.named_parameters() if "base_layer" in n}
+    merged = llm.llm_engine.forward.merged
+    for _ in range(100):
+        with torch.no_grad():
+            for name, p in pm.named_parameters():
+                if "lora_A" in name:
+                    p.add_(1e-4)
+        assert merged.refresh() > 0
+    assert all(torch.equal(p, base[n]) for n, p in pm.named_parameters() if "base_layer" in n)

@@ -157,3 +157,20 @@ def test_bad_lora_mode():
     model, tok = make_tiny_model("llama")
     with pytest.raises(ValueError, match="lora_mode"):
         LLM(model, tokenizer=tok, max_model_len=128, lora_mode="fused")
+
+
+def test_engine_allocates_no_weight_copy():
+    """Building the engine over a model must not allocate its weights again (RSS), and it
+    reports shared_weights for Unsloth."""
+    psutil = pytest.importorskip("psutil")
+    model, tok = make_tiny_model("llama", vocab_size=64_000, hidden_size=256, heads=4, kv_heads=2,
+                                 head_dim=64)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_bytes > 100e6
+    rss = psutil.Process().memory_info().rss
+    llm = LLM(model, tokenizer=tok, max_model_len=128, max_num_seqs=2, num_kv_pages=16)
+    grown = psutil.Process().memory_info().rss - rss
+    assert grown < 0.25 * weight_bytes, f"engine construction grew RSS by {grown / 1e6:.0f} MB"
+    assert llm.shared_weights is True
+    out = llm.generate({"prompt_token_ids": [3, 4, 5]}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == _hf(model, [3, 4, 5])
