@@ -253,27 +253,39 @@ class LLMEngine:
     def _token_text(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
+    # Prompt positions whose full-vocabulary logits are materialised at once (bounds memory:
+    # a whole 8k-token chunk of 152k-vocab fp32 logits would be 5 GB).
+    _PROMPT_LOGPROB_ROWS = 512
+
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """Raw log-softmax (no temperature or penalties) of each prompt token given its prefix."""
         start = seq.num_computed
         targets = seq.token_ids[start + 1:min(start + hidden.shape[0] + 1, seq.num_prompt_tokens)]
         if seq.prompt_logprobs is None:
             seq.prompt_logprobs = [None]
-        if not targets:
-            return
-        logprobs = self.runner.logits(hidden[:len(targets)]).log_softmax(dim=-1)
+        for first in range(0, len(targets), self._PROMPT_LOGPROB_ROWS):
+            block = targets[first:first + self._PROMPT_LOGPROB_ROWS]
+            rows = hidden[first:first + len(block)]
+            seq.prompt_logprobs += self._prompt_logprob_entries(
+                self.runner.logits(rows).log_softmax(dim=-1), block, seq.params)
+
+    def _prompt_logprob_entries(self, logprobs: torch.Tensor, targets: list[int], params) -> list[dict]:
+        """One {token: Logprob} dict per row: the target token plus the top-k (k = -1: all)."""
         target_t = torch.tensor(targets, device=logprobs.device)
         chosen = logprobs.gather(1, target_t[:, None]).squeeze(1)
-        ranks = (logprobs > chosen[:, None]).sum(-1) + 1
-        k = self._top_count(seq.params.prompt_logprobs)
-        text = self._token_text if seq.params.detokenize else _no_text
+        ranks = ((logprobs > chosen[:, None]).sum(-1) + 1).tolist()
+        chosen = chosen.tolist()
+        k = self._top_count(params.prompt_logprobs)
+        text = self._token_text if params.detokenize else _no_text
         top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+        entries = []
         for i, token in enumerate(targets):
-            entry = {token: Logprob(chosen[i].item(), int(ranks[i]), text(token))}
+            entry = {token: Logprob(chosen[i], ranks[i], text(token))}
             if k > 0:
                 for rank, (tid, value) in enumerate(zip(top_ids[i].tolist(), top_lp[i].tolist()), 1):
                     entry.setdefault(tid, Logprob(value, rank, text(tid)))
-            seq.prompt_logprobs.append(entry)
+            entries.append(entry)
+        return entries
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         params = seq.params
