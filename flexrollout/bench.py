@@ -145,13 +145,21 @@ def bench(args) -> dict:
     model_len = args.prompt_len + max(args.max_tokens, 512) + 16
     t0 = time.perf_counter()
     model = random_model(args.preset, dtype, device, max(model_len, 8192))
+    if args.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                                 target_modules=targets)).eval()
+        result["lora"] = {"rank": args.lora_rank, "mode": args.lora_mode}
     weights = _weight_bytes(model)
     result["weight_GB"] = weights / 1e9
     vocab = model.config.vocab_size
     max_seqs = max(batch_sizes + ([64] if "grpo" in args.workload else []))
     t1 = time.perf_counter()
     llm = LLM(model, tokenizer=None, max_model_len=model_len, max_num_seqs=max_seqs,
-              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+              lora_mode=args.lora_mode)
     llm.generate(_prompts(1, args.prompt_len, vocab, 0), SamplingParams(temperature=0, max_tokens=1),
                  use_tqdm=False)
     _sync(device)
@@ -206,6 +214,11 @@ def bench(args) -> dict:
     if device == "cuda":
         result["peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
         result["kv_cache_GB"] = llm.llm_engine.cache_bytes / 1e9
+        # What the engine adds beyond the model's weights and its KV cache (graph pool,
+        # activations, logits; merged LoRA copies), as a fraction of the weights.
+        overhead = torch.cuda.max_memory_allocated() - weights - llm.llm_engine.cache_bytes
+        result["overhead_GB"] = overhead / 1e9
+        result["overhead_pct_of_weights"] = 100 * overhead / weights
     return result
 
 
@@ -239,5 +252,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--lora-rank", type=int, default=0, help="wrap the model in PEFT LoRA of this rank")
+    p.add_argument("--lora-mode", default="live", choices=["live", "merged"])
     p.add_argument("--json", default=None)
     p.set_defaults(func=_main)
