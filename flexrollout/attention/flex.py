@@ -74,7 +74,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_kv_heads = k_cache.shape[1]
     if meta.backend == "reference":
         slots, mask = meta.dense(window)
-        out = reference_attention(q, k_cache, v_cache, slots, mask, scale, meta.decode)
+        out = reference_attention(q, k_cache, v_cache, slots, mask, scale)
         return out.reshape(tokens, num_heads * head_dim)
     block_mask = meta.block_masks[window]
     flex = _flex(q.device, meta.decode)

@@ -29,8 +29,7 @@ def dense_view(block_mask: BlockMask, decode: bool) -> tuple[torch.Tensor, torch
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slots: torch.Tensor, mask: torch.Tensor, scale: float,
-                        decode: bool) -> torch.Tensor:
+                        slots: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q: (T, Hq, D) -> (T, Hq, D). mask: (T, S') over the gathered `slots`."""
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
