@@ -13,31 +13,41 @@ from torch.nn.attention.flex_attention import BlockMask
 
 
 def dense_view(block_mask: BlockMask, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat KV slots the mask may touch, boolean mask over them per query row)."""
+    """(flat KV slots the mask may touch, boolean mask over them per query row).
+
+    Decode gathers each row's own pages: slots (B, L), linear in the batch. Prefill gathers the
+    union of the pages its query blocks list: slots (S',), shared by every query row.
+    """
     kv_indices = block_mask.kv_indices
+    page_size = block_mask.BLOCK_SIZE[1]
+    offsets = torch.arange(page_size, device=kv_indices.device)
+    if decode:
+        width = int(block_mask.kv_num_blocks.max())         # CPU path: a host read is free
+        pages = kv_indices[:, 0, 0, :width].long()            # (B, N)
+        listed = torch.arange(width, device=pages.device) < block_mask.kv_num_blocks[:, 0, 0, None]
+        slots = (pages[..., None] * page_size + offsets).flatten(1)
+        rows = torch.arange(pages.shape[0], device=slots.device)[:, None]
+        mask = block_mask.mask_mod(rows, 0, 0, slots) & listed.repeat_interleave(page_size, dim=1)
+        return slots, mask
     listed = torch.arange(kv_indices.shape[-1], device=kv_indices.device) < block_mask.kv_num_blocks[..., None]
     pages = kv_indices[listed].unique().long()
-    page_size = block_mask.BLOCK_SIZE[1]
-    slots = (pages[:, None] * page_size + torch.arange(page_size, device=pages.device)).flatten()
-    if decode:
-        rows = torch.arange(kv_indices.shape[0], device=slots.device)[:, None]
-        mask = block_mask.mask_mod(rows, 0, 0, slots[None, :])
-    else:
-        rows = torch.arange(block_mask.seq_lengths[0], device=slots.device)[:, None]
-        mask = block_mask.mask_mod(0, 0, rows, slots[None, :])
-    return slots, mask
+    slots = (pages[:, None] * page_size + offsets).flatten()
+    rows = torch.arange(block_mask.seq_lengths[0], device=slots.device)[:, None]
+    return slots, block_mask.mask_mod(0, 0, rows, slots[None, :])
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slots: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: (T, Hq, D) -> (T, Hq, D). mask: (T, S') over the gathered `slots`."""
+    """q: (T, Hq, D) -> (T, Hq, D). slots: (S',) shared by all rows or (T, L) per row;
+    mask: (T, S') or (T, L) over them."""
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    k = k_cache[0][:, slots].float()                       # (Hkv, S', D)
+    k = k_cache[0][:, slots].float()                       # (Hkv, S', D) or (Hkv, T, L, D)
     v = v_cache[0][:, slots].float()
     q5 = q.float().view(tokens, num_kv_heads, group, head_dim)
-    scores = torch.einsum("thgd,hsd->thgs", q5, k) * scale
+    per_row = slots.dim() == 2
+    scores = torch.einsum("thgd,htsd->thgs" if per_row else "thgd,hsd->thgs", q5, k) * scale
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    out = torch.einsum("thgs,hsd->thgd", scores.softmax(dim=-1), v)
+    out = torch.einsum("thgs,htsd->thgd" if per_row else "thgs,hsd->thgd", scores.softmax(dim=-1), v)
     return out.reshape(tokens, num_heads, head_dim).to(q.dtype)
