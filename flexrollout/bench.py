@@ -138,6 +138,7 @@ def bench(args) -> dict:
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     result: dict = {"preset": args.preset, "device": device, "dtype": args.dtype,
+                    "torch": torch.__version__, "kernel_options": args.kernel_options,
                     "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
     if device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
@@ -159,7 +160,8 @@ def bench(args) -> dict:
     t1 = time.perf_counter()
     llm = LLM(model, tokenizer=None, max_model_len=model_len, max_num_seqs=max_seqs,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-              lora_mode=args.lora_mode)
+              lora_mode=args.lora_mode,
+              flex_kernel_options=json.loads(args.kernel_options) if args.kernel_options else None)
     llm.generate(_prompts(1, args.prompt_len, vocab, 0), SamplingParams(temperature=0, max_tokens=1),
                  use_tqdm=False)
     _sync(device)
@@ -254,5 +256,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--lora-rank", type=int, default=0, help="wrap the model in PEFT LoRA of this rank")
     p.add_argument("--lora-mode", default="live", choices=["live", "merged"])
+    p.add_argument("--kernel-options", default=None,
+                   help='flex decode kernel options as JSON, e.g. \'{"num_warps": 8}\'')
     p.add_argument("--json", default=None)
     p.set_defaults(func=_main)

@@ -33,6 +33,9 @@ class EngineConfig:
     cpu_kv_cache_tokens: int = 8192
     # No CUDA graphs (vLLM's meaning). Compilation of the layer math is separate: compile_layers.
     enforce_eager: bool = False
+    # flex_attention kernel options for decode (e.g. {"num_warps": 8, "BLOCK_N": 64}); prefill adds
+    # FORCE_USE_FLEX_ATTENTION. None: flex's defaults. Never ROWS_GUARANTEED_SAFE (padding rows).
+    flex_kernel_options: dict | None = None
     # PEFT LoRA layers: "live" reads A/B every step (no copy; an optimizer step is seen at once);
     # "merged" keeps merged copies of the adapted matrices, refreshed before a generate that
     # follows a change (faster decode, one extra matrix per adapted projection).
@@ -58,6 +61,13 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if self.flex_kernel_options is not None:
+            if not isinstance(self.flex_kernel_options, dict):
+                raise TypeError("flex_kernel_options must be a dict, got "
+                                f"{type(self.flex_kernel_options).__name__}")
+            if self.flex_kernel_options.get("ROWS_GUARANTEED_SAFE"):
+                raise ValueError("flex_kernel_options: ROWS_GUARANTEED_SAFE gives NaNs on the padding "
+                                 "rows of graph buckets; it cannot be used")
         if self.lora_mode not in ("live", "merged"):
             raise ValueError(f"lora_mode must be 'live' or 'merged', got {self.lora_mode!r}")
         if self.attention_backend not in ("auto", "flex", "reference"):

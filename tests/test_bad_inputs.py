@@ -154,3 +154,11 @@ def test_harmless_vllm_kwargs_are_accepted(tiny_llama, hf_greedy, extra):
     llm = LLM(model, **_engine_kwargs(tok, **extra))
     outs = llm.generate([GOOD_IDS], _greedy(), use_tqdm=False)
     assert list(outs[0].outputs[0].token_ids) == hf_greedy(model, GOOD_IDS, CHECK_TOKENS).tokens
+
+
+@pytest.mark.parametrize("options, error", [("num_warps=8", TypeError),
+                                            ({"ROWS_GUARANTEED_SAFE": True}, ValueError)])
+def test_bad_flex_kernel_options(tiny_llama, options, error):
+    model, tok = tiny_llama()
+    with pytest.raises(error, match="flex_kernel_options"):
+        LLM(model, tokenizer=tok, max_model_len=64, flex_kernel_options=options)

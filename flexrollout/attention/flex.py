@@ -87,7 +87,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # A packed prefill shorter than 128 tokens would otherwise be routed to flex's decode
         # kernel, whose BLOCK_M (next power of two of tokens x GQA group) can exceed the 128-row
         # query block, leaving inductor no valid config (NoValidChoicesError, seen on the H200).
-        opts = {**(meta.kernel_options or {}), "FORCE_USE_FLEX_ATTENTION": True}
+        # (EngineConfig.flex_kernel_options are tuned for the decode kernel and not passed here.)
+        opts = {"FORCE_USE_FLEX_ATTENTION": True}
         q4 = q.transpose(0, 1).unsqueeze(0)
         out = flex(q4, k_cache, v_cache, block_mask=block_mask, scale=scale,
                    enable_gqa=num_heads != num_kv_heads, kernel_options=opts)

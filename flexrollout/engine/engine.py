@@ -74,7 +74,8 @@ class LLMEngine:
         backend = config.attention_backend
         if backend == "auto":
             backend = "flex" if device.type == "cuda" else "reference"
-        self.runner = ModelRunner(forward, self.cache, self.pages, device, backend)
+        self.runner = ModelRunner(forward, self.cache, self.pages, device, backend,
+                                  config.flex_kernel_options)
         if device.type == "cuda" and not config.enforce_eager and backend == "flex":
             self.runner.graphs = DecodeGraphs(self.runner, config.max_num_seqs)
         self.stats = EngineStats()

@@ -18,8 +18,9 @@ from .sequence import Sequence
 
 class ModelRunner:
     def __init__(self, forward, cache: KVCache, pages: PageTable, device: torch.device,
-                 backend: str) -> None:
+                 backend: str, kernel_options: dict | None = None) -> None:
         self.backend = backend
+        self.kernel_options = dict(kernel_options or {})
         self.forward = forward
         self.cache = cache
         self.pages = pages
@@ -63,7 +64,8 @@ class ModelRunner:
                 self.pages.table, q_slot_t, pos_t, self.pages.page_logical, self.pages.page_size,
                 self.kv_len, kv_indices.to(self.device), num_blocks.to(self.device), window)
         meta = AttentionMetadata(pos_t, self._tensor(slot_map), decode=False, block_masks=masks,
-                                 backend=self.backend, lora=LoraBatch.build(adapters, self.device))
+                                 backend=self.backend, lora=LoraBatch.build(adapters, self.device),
+                                 kernel_options=self.kernel_options)
         return self.forward.forward(self._tensor(ids), meta, self.cache)
 
     def decode_inputs(self, seqs: list[Sequence]) -> dict[str, list[int]]:
@@ -85,7 +87,7 @@ class ModelRunner:
         masks = {w: decode_block_mask(rows, num_pages, positions, self.pages.page_logical, size,
                                       self.decode_group, self.kv_len, w) for w in self.windows}
         meta = AttentionMetadata(positions, slot_mapping, decode=True, block_masks=masks,
-                                 backend=self.backend, lora=lora)
+                                 backend=self.backend, lora=lora, kernel_options=self.kernel_options)
         return self.forward.forward(input_ids, meta, self.cache)
 
     @torch.inference_mode()
