@@ -758,3 +758,17 @@ def test_out_of_vocab_ids_raise_at_generate(tiny, peaky, hf_greedy, engine_stats
     assert engine_stats(tiny) == before, "work was done before the bad request was rejected"
     out = tiny.generate([P1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert _tokens(out) == hf_greedy(model, P1, 4).tokens
+
+
+def test_packed_sampling_rows_round_trip():
+    """The one-copy packing of per-row settings (used on CUDA) returns every value bit-exactly:
+    negative and tiny floats, and seeds above 2^62."""
+    from flexrollout.engine.sampler import float_bits, pack_rows, unpack_row
+
+    floats = torch.tensor([0.0, -1.5, 1e-30, 3.4e38, 0.7], dtype=torch.float32)
+    ints = torch.tensor([0, -1, 2**62 + 12345, 7, 2**63 - 1], dtype=torch.int64)
+    packed = pack_rows([floats, ints])
+    assert torch.equal(unpack_row(packed[0], torch.float32), floats)
+    assert torch.equal(unpack_row(packed[1], torch.int64), ints)
+    # A graph input reads the low 32 bits of each int64 cell as float32 (little-endian).
+    assert torch.equal(float_bits(floats).view(torch.float32)[::2], floats)

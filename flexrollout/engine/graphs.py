@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .sampler import SamplerOutput, SamplingTensors, sample
+from .sampler import SamplerOutput, SamplingTensors, float_bits, sample
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,9 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_num_seqs)
         self.vocab = runner.forward.spec().vocab_size
         self._num_int = sum(dtype == torch.long for _, dtype in self._VARS)
+        names = [name for name, _ in self._VARS]
+        self._top_k_row, self._top_p_row = names.index("top_k"), names.index("top_p")
+        self._one_bits = int(float_bits(torch.ones(1))[0])
         self.packed = torch.zeros(len(self._VARS), max_num_seqs, dtype=torch.long, device=runner.device)
         self.staging = torch.zeros(len(self._VARS), max_num_seqs, dtype=torch.long).pin_memory()
         self.graph_vars: dict[str, torch.Tensor] = {
@@ -66,15 +69,12 @@ class DecodeGraphs:
         int_rows = [inputs[n] if n in inputs else getattr(st, n) for n, d in self._VARS if d == torch.long]
         staging[:self._num_int, :batch] = torch.stack([torch.as_tensor(r, dtype=torch.long) for r in int_rows])
         floats = torch.stack([getattr(st, n) for n, d in self._VARS if d == torch.float32])
-        # Little-endian bit-cast into the low half of each int64 cell.
-        staging[self._num_int:, :batch] = floats.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        # Bit patterns in the low half of each int64 cell (little-endian), read by graph_vars' views.
+        staging[self._num_int:, :batch] = float_bits(floats)
         # Padding rows: slot 0 / page 0, greedy, untruncated.
-        staging[self._index("top_k"), batch:bucket] = self.vocab
-        staging[self._index("top_p"), batch:bucket] = _float_bits(1.0)
+        staging[self._top_k_row, batch:bucket] = self.vocab
+        staging[self._top_p_row, batch:bucket] = self._one_bits
         self.packed[:, :bucket].copy_(staging[:, :bucket], non_blocking=True)
-
-    def _index(self, name: str) -> int:
-        return next(i for i, (n, _) in enumerate(self._VARS) if n == name)
 
     def _step(self, bucket: int, mode: tuple[bool, bool, int]) -> SamplerOutput:
         all_greedy, need_truncation, max_logprobs = mode
@@ -111,13 +111,8 @@ class DecodeGraphs:
         self._fill(inputs, st, batch, bucket)
         key = (bucket, mode)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(bucket, mode)
-            self._fill(inputs, st, batch, bucket)   # warm-up steps ran on these buffers
+            self.graphs[key] = self._capture(bucket, mode)   # the step only reads graph_vars
         graph, out = self.graphs[key]
         graph.replay()
         return SamplerOutput(*(None if t is None else t[:batch] for t in
                                (out.token_ids, out.logprobs, out.ranks, out.top_ids, out.top_logprobs)))
-
-
-def _float_bits(value: float) -> int:
-    return int(torch.tensor([value], dtype=torch.float32).view(torch.int32).item()) & 0xFFFFFFFF

@@ -64,8 +64,7 @@ class ModelRunner:
                 self.pages.table, q_slot_t, pos_t, self.pages.page_logical, self.pages.page_size,
                 self.kv_len, kv_indices.to(self.device), num_blocks.to(self.device), window)
         meta = AttentionMetadata(pos_t, self._tensor(slot_map), decode=False, block_masks=masks,
-                                 backend=self.backend, lora=LoraBatch.build(adapters, self.device),
-                                 kernel_options=self.kernel_options)
+                                 backend=self.backend, lora=LoraBatch.build(adapters, self.device))
         return self.forward.forward(self._tensor(ids), meta, self.cache)
 
     def decode_inputs(self, seqs: list[Sequence]) -> dict[str, list[int]]:

@@ -201,9 +201,14 @@ def sampling_to_device(st: SamplingTensors, device: torch.device) -> SamplingTen
 def pack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
     """Stack int64 and float32 vectors into one pinned int64 tensor (floats bit-cast), so a
     step's per-row settings cross to the device in one copy."""
-    as_int = [r.view(torch.int32).to(torch.int64) if r.dtype == torch.float32 else r for r in rows]
-    packed = torch.stack(as_int)
+    packed = torch.stack([float_bits(r) if r.dtype == torch.float32 else r for r in rows])
     return packed.pin_memory() if torch.cuda.is_available() else packed
+
+
+def float_bits(row: torch.Tensor) -> torch.Tensor:
+    """float32 -> int64 holding its bit pattern in the low 32 bits (sign-extended, so the value
+    stays in int32 range and `unpack_row` or a low-half float32 view gets the float back)."""
+    return row.view(torch.int32).to(torch.int64)
 
 
 def unpack_row(row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
