@@ -42,6 +42,12 @@ class EngineConfig:
     lora_mode: str = "live"
     # torch.compile the per-layer norm/RoPE/MLP math on CUDA (fuses ~30 small kernels per layer).
     compile_layers: bool = True
+    # Triton split-K GEMV kernels for the projections of small batches (CUDA, bf16/fp16/fp32):
+    # q/k/v in one launch, gate/up with SiLU-mul in one launch. Larger batches use cuBLAS.
+    small_batch_kernels: bool = True
+    # Launch decode step t+1 before reading step t's tokens back (they are fed device to device),
+    # so host work (scheduling, stop checks, detokenizing) overlaps the GPU.
+    async_decode: bool = True
     # Share the KV pages of identical prompts inside one generate call (GRPO groups).
     enable_prefix_caching: bool = True
     device: str | torch.device | None = None
