@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..kernels.small_linear import project
+
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -71,8 +73,8 @@ def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     """
     base = getattr(module, "base_layer", None)
     if base is None:
-        return F.linear(x, module.weight, module.bias)
-    out = F.linear(x, base.weight, base.bias)
+        return project(x, module.weight, module.bias)
+    out = project(x, base.weight, base.bias)
     if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
         return out
     for name in module.active_adapters:

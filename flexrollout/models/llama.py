@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.flex import AttentionMetadata, paged_attention
+from ..kernels import small_linear as gemv
+from ..kernels.small_linear import small_linear
 from .base import LayerSpec, ModelSpec, apply_rope, linear, rms_norm, rope_tables
 
 if TYPE_CHECKING:
@@ -22,24 +24,45 @@ _STATIC_ROPE_TYPES = {"default", "llama3", "linear", "yarn"}
 
 
 def qkv_rope(x, ln_w, wq, bq, wk, bk, wv, bv, qn_w, kn_w, cos, sin, eps: float,
-             num_heads: int, num_kv_heads: int, head_dim: int):
-    """input norm -> q/k/v projections -> (Qwen3) q/k norm -> RoPE."""
+             num_heads: int, num_kv_heads: int, head_dim: int, small: bool):
+    """input norm -> q/k/v projections -> (Qwen3) q/k norm -> RoPE.
+
+    `small`: the batch is small enough for the GEMV kernel, which reads q, k and v in one launch.
+    """
     h = rms_norm(x, ln_w, eps)
     tokens = h.shape[0]
-    q = F.linear(h, wq, bq).view(tokens, num_heads, head_dim)
-    k = F.linear(h, wk, bk).view(tokens, num_kv_heads, head_dim)
-    v = F.linear(h, wv, bv).view(tokens, num_kv_heads, head_dim)
+    if small:
+        qkv = small_linear(h, wq, wk, wv).sum(0).to(h.dtype)
+        q, k, v = qkv.split([wq.shape[0], wk.shape[0], wv.shape[0]], dim=-1)
+        q, k, v = _add_bias(q, bq), _add_bias(k, bk), _add_bias(v, bv)
+    else:
+        q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
+    q = q.reshape(tokens, num_heads, head_dim)
+    k = k.reshape(tokens, num_kv_heads, head_dim)
+    v = v.reshape(tokens, num_kv_heads, head_dim)
     if qn_w is not None:
         q = rms_norm(q, qn_w, eps)
         k = rms_norm(k, kn_w, eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def out_mlp(attn, residual, wo, bo, ln_w, w_gate, w_up, w_down, eps: float):
-    """o_proj + residual -> post-attention norm -> SwiGLU MLP + residual."""
-    hidden = residual + F.linear(attn, wo, bo)
+def out_mlp(attn, residual, wo, bo, ln_w, w_gate, w_up, w_down, eps: float, small: bool):
+    """o_proj + residual -> post-attention norm -> SwiGLU MLP + residual.
+
+    `small`: GEMV kernels; gate and up are one launch that applies SiLU(gate) * up itself.
+    """
+    if not small:
+        hidden = residual + F.linear(attn, wo, bo)
+        h = rms_norm(hidden, ln_w, eps)
+        return hidden + F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
+    hidden = residual + _add_bias(small_linear(attn, wo).sum(0).to(attn.dtype), bo)
     h = rms_norm(hidden, ln_w, eps)
-    return hidden + F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
+    act = small_linear(h, w_gate, w_up, silu_mul=True)[0].to(h.dtype)
+    return hidden + small_linear(act, w_down).sum(0).to(h.dtype)
+
+
+def _add_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x if bias is None else x + bias
 
 
 class LlamaForward:
@@ -61,6 +84,7 @@ class LlamaForward:
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._qkv, self._out = qkv_rope, out_mlp
         self.merged = None        # a MergedLora in lora_mode="merged"
+        self.small_kernels = False  # set by prepare(): GEMV kernels for small CUDA batches
 
     def spec(self) -> ModelSpec:
         layer = LayerSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
@@ -71,7 +95,7 @@ class LlamaForward:
             max_position_embeddings=self.config.max_position_embeddings,
         )
 
-    def prepare(self, max_len: int, compile_layers: bool) -> None:
+    def prepare(self, max_len: int, compile_layers: bool, small_kernels: bool = False) -> None:
         """Build the cos/sin tables from the model's own inv_freq buffer (its rope scaling)."""
         rotary = self.body.rotary_emb
         rope_type = getattr(rotary, "rope_type", "default")
@@ -79,6 +103,7 @@ class LlamaForward:
             raise NotImplementedError(f"rope_type {rope_type!r} is not supported yet")
         self._rope_cache = rope_tables(rotary.inv_freq, float(rotary.attention_scaling),
                                        max_len, self.dtype)
+        self.small_kernels = small_kernels and self._kernel_shapes_ok()
         if compile_layers:
             self._qkv = torch.compile(qkv_rope, dynamic=True, fullgraph=True)
             self._out = torch.compile(out_mlp, dynamic=True, fullgraph=True)
@@ -88,6 +113,7 @@ class LlamaForward:
         cos_table, sin_table = self._rope_cache
         cos, sin = cos_table[meta.positions], sin_table[meta.positions]
         hidden = F.embedding(input_ids, self.body.embed_tokens.weight).to(self.dtype)
+        small = self.small_kernels and hidden.is_cuda and hidden.shape[0] <= gemv.MAX_ROWS
         for index, layer in enumerate(self.body.layers):
             if meta.lora is not None or (self.merged is None and _has_lora(layer)):
                 hidden = self._lora_layer(index, layer, hidden, cos, sin, meta, cache)
@@ -99,12 +125,12 @@ class LlamaForward:
                 w(attn.k_proj), b(attn.k_proj), w(attn.v_proj), b(attn.v_proj),
                 attn.q_norm.weight if self.qk_norm else None,
                 attn.k_norm.weight if self.qk_norm else None,
-                cos, sin, self.eps, self.num_heads, self.num_kv_heads, self.head_dim)
+                cos, sin, self.eps, self.num_heads, self.num_kv_heads, self.head_dim, small)
             cache.write(index, k, v, meta.slot_mapping)
             out = paged_attention(q, cache.k[index], cache.v[index], meta, self.scale, self.window)
             hidden = self._out(out, hidden, w(attn.o_proj), b(attn.o_proj),
                                layer.post_attention_layernorm.weight, w(mlp.gate_proj),
-                               w(mlp.up_proj), w(mlp.down_proj), self.eps)
+                               w(mlp.up_proj), w(mlp.down_proj), self.eps, small)
         return rms_norm(hidden, self.body.norm.weight, self.eps)
 
     def _weight(self, module: torch.nn.Module) -> torch.Tensor:
@@ -113,7 +139,20 @@ class LlamaForward:
         return module.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.hf.lm_head).float()
+        head = self.hf.lm_head
+        if self.small_kernels and not hasattr(head, "base_layer") and gemv.supported(hidden, head.weight):
+            return gemv.project(hidden, head.weight, head.bias).float()
+        return linear(hidden, head).float()
+
+    def _kernel_shapes_ok(self) -> bool:
+        """The GEMV kernel needs every projection on CUDA, contiguous, K a multiple of its block."""
+        for layer in self.body.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                           mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                if not gemv.weight_supported(getattr(module, "base_layer", module).weight):
+                    return False
+        return True
 
     def _lora_layer(self, index, layer, hidden, cos, sin, meta, cache) -> torch.Tensor:
         """The same layer math through `linear`, which reads PEFT LoRA wrappers live, plus the

@@ -1,0 +1,165 @@
+"""Projections of small decode batches: a Triton split-K GEMV over the model's own weights.
+
+At decode a projection multiplies a few rows by a large matrix, so it is a pass over the weight
+bytes. cuBLAS reaches 2.1-3.5 TB/s on Qwen3-4B's shapes at M <= 8 on an H200, and only
+0.35-0.86 TB/s on the 5 MB k/v projections; this kernel reaches 2.4-4.0 and 1.2 TB/s
+(benchmarks/gemv_sweep.py, BENCHMARKS.md). It also removes launches: q, k and v (up to three
+matrices reading the same input) are one launch, and gate/up are one launch whose epilogue is
+SiLU(gate) * up. Nothing is concatenated or copied: each matrix is read where the user's
+model keeps it.
+
+`small_linear(x, w0, w1, w2, silu_mul)` returns fp32 partial sums of shape (split, M, N) with
+N = the output widths side by side; callers add them (`.sum(0)`), which torch.compile fuses
+into whatever consumes the result. It is a torch custom op, so compiled code treats it as one
+opaque kernel. Off CUDA (tests, CPU) it computes the same partials with torch.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+# Largest batch routed here; larger ones go to cuBLAS (on par or faster from M = 64 on).
+MAX_ROWS = 16
+BLOCK_N = 64
+BLOCK_K = 128
+# Enough programs to keep the H200's 132 SMs streaming: split K until blocks x split >= this.
+MIN_PROGRAMS = 64
+MAX_SPLIT = 8
+
+
+def weight_supported(weight: torch.Tensor) -> bool:
+    """A CUDA matrix the kernel can stream: contiguous rows, input width a multiple of BLOCK_K."""
+    return (weight.is_cuda and weight.dim() == 2 and weight.is_contiguous()
+            and weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and weight.shape[1] % BLOCK_K == 0)
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a projection of `x` by `weight` takes this path."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
+            and weight_supported(weight))
+
+
+def split_k(n_total: int, k: int, silu_mul: bool) -> int:
+    """Split the K loop until there are enough programs (SiLU-mul needs whole sums: no split)."""
+    if silu_mul:
+        return 1
+    blocks, split = -(-n_total // BLOCK_N), 1
+    while blocks * split < MIN_PROGRAMS and split < MAX_SPLIT and k % (2 * split * BLOCK_K) == 0:
+        split *= 2
+    return split
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, built on first use (so importing flexrollout never needs Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def small_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, M, K, K_PER, N0, N1, N2,
+                            BLOCKS0, BLOCKS1, stride_xm, stride_split, stride_om,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            SILU_MUL: tl.constexpr, IEEE: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        # Which matrix this program's output block belongs to, and where its columns start.
+        if pid_n < BLOCKS0:
+            w_ptr, n_rows, row0, col0 = w0_ptr, N0, pid_n * BLOCK_N, pid_n * 0
+        elif pid_n < BLOCKS0 + BLOCKS1:
+            w_ptr, n_rows, row0, col0 = w1_ptr, N1, (pid_n - BLOCKS0) * BLOCK_N, N0
+        else:
+            w_ptr, n_rows, row0, col0 = w2_ptr, N2, (pid_n - BLOCKS0 - BLOCKS1) * BLOCK_N, N0 + N1
+        rows = row0 + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        precision: tl.constexpr = "ieee" if IEEE else "tf32"
+        # Weights are the A operand (BLOCK_N x BLOCK_K), the few input rows the B operand:
+        # the matrix units then work on 64-row tiles however small the batch is.
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(0, K_PER, BLOCK_K):
+            offs_k = pid_k * K_PER + k + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=offs_m[:, None] < M, other=0.0)
+            w_offs = rows[:, None] * K + offs_k[None, :]
+            w_mask = rows[:, None] < n_rows
+            w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
+            acc += tl.dot(w, tl.trans(x), input_precision=precision)
+            if SILU_MUL:
+                up = tl.load(w1_ptr + w_offs, mask=w_mask, other=0.0)
+                acc_up += tl.dot(up, tl.trans(x), input_precision=precision)
+        if SILU_MUL:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        out = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + (col0 + rows)[:, None]
+        tl.store(out, acc, mask=(offs_m[None, :] < M) & (rows[:, None] < n_rows))
+
+    return small_linear_kernel
+
+
+def _out_width(w0, w1, w2, silu_mul: bool) -> int:
+    if silu_mul:
+        return w0.shape[0]
+    return sum(w.shape[0] for w in (w0, w1, w2) if w is not None)
+
+
+@torch.library.custom_op("flexrollout::small_linear", mutates_args=())
+def small_linear(x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor | None = None,
+                 w2: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """fp32 partials (split, M, N) of x @ [w0; w1; w2]^T, or of SiLU(x w0^T) * (x w1^T)."""
+    n_total = _out_width(w0, w1, w2, silu_mul)
+    split = split_k(n_total, x.shape[1], silu_mul)
+    if not x.is_cuda:
+        return _reference(x, w0, w1, w2, silu_mul, split)
+    return launch(x, w0, w1, w2, silu_mul, split)
+
+
+def launch(x, w0, w1, w2, silu_mul: bool, split: int) -> torch.Tensor:
+    """Run the Triton kernel (CUDA, or Triton's interpreter on CPU tensors in tests)."""
+    import triton
+
+    out = torch.empty(split, x.shape[0], _out_width(w0, w1, w2, silu_mul), device=x.device,
+                      dtype=torch.float32)
+    m, k = x.shape
+    n0 = w0.shape[0]
+    n1 = 0 if w1 is None or silu_mul else w1.shape[0]
+    n2 = 0 if w2 is None else w2.shape[0]
+    blocks = [triton.cdiv(n, BLOCK_N) for n in (n0, n1, n2)]
+    k_per = k // split
+    many = sum(blocks) >= 256
+    fp32 = x.dtype == torch.float32
+    _kernel()[(sum(blocks), split)](
+        x, w0, w0 if w1 is None else w1, w0 if w2 is None else w2, out, m, k, k_per, n0, n1, n2,
+        blocks[0], blocks[1], x.stride(0), out.stride(0), out.stride(1),
+        BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SILU_MUL=silu_mul, IEEE=fp32,
+        # Measured on the H200: 3 stages for wide outputs, 5 for the rest; fp32 tiles are twice
+        # the bytes, so 3 keeps them inside shared memory.
+        num_warps=4, num_stages=3 if many or fp32 else 5)
+    return out
+
+
+@small_linear.register_fake
+def _(x, w0, w1=None, w2=None, silu_mul=False):
+    n_total = _out_width(w0, w1, w2, silu_mul)
+    split = split_k(n_total, x.shape[1], silu_mul)
+    return x.new_empty(split, x.shape[0], n_total, dtype=torch.float32)
+
+
+def _reference(x, w0, w1, w2, silu_mul: bool, split: int) -> torch.Tensor:
+    """The kernel's contract in plain torch (fp32): the K axis cut into `split` partial sums."""
+    x32 = x.float()
+    if silu_mul:
+        return (F.silu(x32 @ w0.float().T) * (x32 @ w1.float().T))[None]
+    weight = torch.cat([w.float() for w in (w0, w1, w2) if w is not None])
+    k_per = x.shape[1] // split
+    return torch.stack([x32[:, i * k_per:(i + 1) * k_per] @ weight[:, i * k_per:(i + 1) * k_per].T
+                        for i in range(split)])
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` that routes small CUDA batches through the kernel (same dtype out)."""
+    if not supported(x, weight):
+        return F.linear(x, weight, bias)
+    out = small_linear(x, weight).sum(0).to(x.dtype)
+    return out if bias is None else out + bias
