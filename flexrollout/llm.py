@@ -74,8 +74,9 @@ class LLM:
         spec = forward.spec()
         model_len = max_model_len or spec.max_position_embeddings
         device = torch.device(self.config.device) if self.config.device else param.device
+        owned = _weight_bytes(self.model) if isinstance(model, str) else 0
         self.llm_engine = LLMEngine(forward, self.tokenizer, self.config, device, run_dtype,
-                                    model_len, model_name)
+                                    model_len, model_name, owned_weight_bytes=owned)
         self.llm_engine.model_config.enable_sleep_mode = bool(enable_sleep_mode)
         self.llm_engine.model_executor = ModelExecutor(self.model)
         # Weights this engine loaded itself may be offloaded by sleep(); a trainer's never are.
@@ -445,3 +446,11 @@ def _progress(total: int, enabled: bool):
 
 
 FlexEngine = LLM
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's distinct parameter storages (tied weights counted once)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        seen[p.data_ptr()] = p.numel() * p.element_size()
+    return sum(seen.values())

@@ -52,8 +52,10 @@ class VllmConfig:
 
 class LLMEngine:
     def __init__(self, forward, tokenizer, config: EngineConfig, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int, model_name: str) -> None:
+                 dtype: torch.dtype, max_model_len: int, model_name: str,
+                 owned_weight_bytes: int = 0) -> None:
         self.forward = forward
+        self.owned_weight_bytes = owned_weight_bytes
         self.tokenizer = tokenizer
         self.config = config
         self.device = device
@@ -70,7 +72,8 @@ class LLMEngine:
         max_pages_per_seq = -(-max_model_len // self.page_size)
         self.pages = PageTable(num_pages, self.page_size, config.max_num_seqs, max_pages_per_seq, device)
         self.scheduler = Scheduler(self.pages, config.max_num_seqs, self.max_batched_tokens)
-        forward.prepare(max_model_len, compile_layers=device.type == "cuda" and config.compile_layers)
+        forward.prepare(max_model_len, compile_layers=device.type == "cuda" and config.compile_layers,
+                        small_kernels=config.small_batch_kernels)
         backend = config.attention_backend
         if backend == "auto":
             backend = "flex" if device.type == "cuda" else "reference"
@@ -93,9 +96,13 @@ class LLMEngine:
         page_bytes = KVCache.bytes_per_page(self.spec.layers, self.page_size, dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
+            # vLLM's meaning: the engine may hold this fraction of the GPU for itself. Weights
+            # shared with a trainer are the trainer's and do not count; weights the engine
+            # loaded do. Never more than is free now.
+            own = int(total * cfg.gpu_memory_utilization) - self.owned_weight_bytes
             # Activations, logits and graph pools need room beyond the cache.
             margin = 2 * 2**30 + cfg.max_num_seqs * self.spec.vocab_size * 4 * 4
-            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - margin
+            budget = min(own, free) - margin
             pages = budget // page_bytes
             if pages < 2:
                 raise ValueError(
