@@ -157,11 +157,14 @@ def bench(args) -> dict:
     result["weight_GB"] = weights / 1e9
     vocab = model.config.vocab_size
     max_seqs = max(batch_sizes + ([64] if "grpo" in args.workload else []))
+    engine_args = json.loads(args.engine_args) if args.engine_args else {}
+    result["engine_args"] = engine_args
     t1 = time.perf_counter()
     llm = LLM(model, tokenizer=None, max_model_len=model_len, max_num_seqs=max_seqs,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
               lora_mode=args.lora_mode,
-              flex_kernel_options=json.loads(args.kernel_options) if args.kernel_options else None)
+              flex_kernel_options=json.loads(args.kernel_options) if args.kernel_options else None,
+              **engine_args)
     llm.generate(_prompts(1, args.prompt_len, vocab, 0), SamplingParams(temperature=0, max_tokens=1),
                  use_tqdm=False)
     _sync(device)
@@ -231,12 +234,36 @@ def print_table(result: dict) -> None:
         print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
 
 
+def plot(result: dict, path: str) -> None:
+    """tok/s against batch size, with the roofline and (when measured) HF generate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["workload"] == "decode"]
+    batches = [r["batch"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(batches, [r["tok_s"] for r in rows], "o-", label="flexrollout")
+    if rows and "roofline_tok_s" in rows[0]:
+        ax.plot(batches, [r["roofline_tok_s"] for r in rows], "k--", label="HBM roofline")
+    if rows and "hf_tok_s" in rows[0]:
+        ax.plot(batches, [r["hf_tok_s"] for r in rows], "s-", label="HF generate")
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens / s",
+           title=f"{result['preset']} {result['dtype']} decode, {result.get('gpu', result['device'])}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def _main(args) -> int:
     result = bench(args)
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2, default=str)
+    if args.plot:
+        plot(result, args.plot)
     return 0
 
 
@@ -258,5 +285,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--lora-mode", default="live", choices=["live", "merged"])
     p.add_argument("--kernel-options", default=None,
                    help='flex decode kernel options as JSON, e.g. \'{"num_warps": 8}\'')
+    p.add_argument("--engine-args", default=None,
+                   help='EngineConfig fields as JSON, e.g. \'{"small_batch_kernels": false}\'')
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="PNG of tok/s against batch size")
     p.set_defaults(func=_main)
