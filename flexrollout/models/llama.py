@@ -23,11 +23,13 @@ if TYPE_CHECKING:
 _STATIC_ROPE_TYPES = {"default", "llama3", "linear", "yarn"}
 
 
-def qkv_rope(x, ln_w, wq, bq, wk, bk, wv, bv, qn_w, kn_w, cos, sin, eps: float,
-             num_heads: int, num_kv_heads: int, head_dim: int, small: bool):
-    """input norm -> q/k/v projections -> (Qwen3) q/k norm -> RoPE.
+def qkv_rope(x, ln_w, wq, bq, wk, bk, wv, bv, qn_w, kn_w, cos, sin, k_cache, v_cache, slot_mapping,
+             eps: float, num_heads: int, num_kv_heads: int, head_dim: int, small: bool):
+    """input norm -> q/k/v projections -> (Qwen3) q/k norm -> RoPE -> K/V stored in the cache.
 
     `small`: the batch is small enough for the GEMV kernel, which reads q, k and v in one launch.
+    The cache write is an `index_copy_` on the whole 4-D cache tensor so torch.compile scatters
+    into it in place (a write through a view of it made inductor copy the whole cache).
     """
     h = rms_norm(x, ln_w, eps)
     tokens = h.shape[0]
@@ -43,7 +45,10 @@ def qkv_rope(x, ln_w, wq, bq, wk, bk, wv, bv, qn_w, kn_w, cos, sin, eps: float,
     if qn_w is not None:
         q = rms_norm(q, qn_w, eps)
         k = rms_norm(k, kn_w, eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache.index_copy_(2, slot_mapping, k.transpose(0, 1)[None].to(k_cache.dtype))
+    v_cache.index_copy_(2, slot_mapping, v.transpose(0, 1)[None].to(v_cache.dtype))
+    return q
 
 
 def out_mlp(attn, residual, wo, bo, ln_w, w_gate, w_up, w_down, eps: float, small: bool):
@@ -120,13 +125,13 @@ class LlamaForward:
                 continue
             attn, mlp = layer.self_attn, layer.mlp
             w, b = self._weight, _bias
-            q, k, v = self._qkv(
+            q = self._qkv(
                 hidden, layer.input_layernorm.weight, w(attn.q_proj), b(attn.q_proj),
                 w(attn.k_proj), b(attn.k_proj), w(attn.v_proj), b(attn.v_proj),
                 attn.q_norm.weight if self.qk_norm else None,
-                attn.k_norm.weight if self.qk_norm else None,
-                cos, sin, self.eps, self.num_heads, self.num_kv_heads, self.head_dim, small)
-            cache.write(index, k, v, meta.slot_mapping)
+                attn.k_norm.weight if self.qk_norm else None, cos, sin,
+                cache.k[index], cache.v[index], meta.slot_mapping,
+                self.eps, self.num_heads, self.num_kv_heads, self.head_dim, small)
             out = paged_attention(q, cache.k[index], cache.v[index], meta, self.scale, self.window)
             hidden = self._out(out, hidden, w(attn.o_proj), b(attn.o_proj),
                                layer.post_attention_layernorm.weight, w(mlp.gate_proj),
