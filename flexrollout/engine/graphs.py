@@ -4,6 +4,9 @@ One graph per (batch bucket, sampler mode), captured lazily the first time it is
 sharing one memory pool. Inputs live in `graph_vars`, static buffers sized for max_num_seqs;
 a batch smaller than its bucket is padded with rows that point at the reserved slot 0 and
 page 0, which absorb their writes and attend only to themselves.
+
+The captured step is `ModelRunner.decode_step`: it also picks device-side input ids for rows
+whose previous token is still pending and scatters its own ids into `runner.slot_tokens`.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import time
 
 import torch
 
-from .sampler import SamplerOutput, SamplingTensors, float_bits, sample
+from .sampler import SamplerOutput, SamplingTensors, float_bits
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +29,10 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     # Every per-row input of the captured step, in the order of one packed int64 buffer
-    # (float32 rows bit-cast), so a step needs a single host-to-device copy.
-    _VARS = (("input_ids", torch.long), ("positions", torch.long), ("slot_mapping", torch.long),
-             ("slots", torch.long), ("seeds", torch.long), ("counters", torch.long),
+    # (float32 rows bit-cast, after the int64 rows), so a step needs a single host-to-device copy.
+    _VARS = (("input_ids", torch.long), ("from_device", torch.long), ("positions", torch.long),
+             ("slot_mapping", torch.long), ("slots", torch.long), ("seeds", torch.long),
+             ("counters", torch.long),
              ("top_k", torch.long), ("temperature", torch.float32), ("top_p", torch.float32),
              ("min_p", torch.float32))
 
@@ -41,7 +45,12 @@ class DecodeGraphs:
         self._top_k_row, self._top_p_row = names.index("top_k"), names.index("top_p")
         self._one_bits = int(float_bits(torch.ones(1))[0])
         self.packed = torch.zeros(len(self._VARS), max_num_seqs, dtype=torch.long, device=runner.device)
-        self.staging = torch.zeros(len(self._VARS), max_num_seqs, dtype=torch.long).pin_memory()
+        # Two pinned staging buffers, used in turn: with async decode the host fills step t+1
+        # while step t's copy out of the other one may still wait behind the GPU's queue.
+        self.staging = [torch.zeros(len(self._VARS), max_num_seqs, dtype=torch.long).pin_memory()
+                        for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]   # last copy out of each
+        self._turn = 0
         self.graph_vars: dict[str, torch.Tensor] = {
             name: self.packed[i] if dtype == torch.long else self.packed[i].view(torch.float32)[::2]
             for i, (name, dtype) in enumerate(self._VARS)}
@@ -64,7 +73,7 @@ class DecodeGraphs:
     def _fill(self, inputs: dict[str, list[int]], st: SamplingTensors, batch: int, bucket: int) -> None:
         """Write this step's rows (and harmless padding rows) into the static inputs: two host
         tensors, one pinned staging buffer, one host-to-device copy."""
-        staging = self.staging
+        staging = self._free_staging()
         staging[:, batch:bucket].zero_()
         int_rows = [inputs[n] if n in inputs else getattr(st, n) for n, d in self._VARS if d == torch.long]
         staging[:self._num_int, :batch] = torch.stack([torch.as_tensor(r, dtype=torch.long) for r in int_rows])
@@ -75,24 +84,40 @@ class DecodeGraphs:
         staging[self._top_k_row, batch:bucket] = self.vocab
         staging[self._top_p_row, batch:bucket] = self._one_bits
         self.packed[:, :bucket].copy_(staging[:, :bucket], non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._copied[self._turn] = copied
+
+    def _free_staging(self) -> torch.Tensor:
+        """The next staging buffer, once the copy that last read it has run."""
+        self._turn ^= 1
+        copied = self._copied[self._turn]
+        if copied is not None:
+            copied.synchronize()
+        return self.staging[self._turn]
 
     def _step(self, bucket: int, mode: tuple[bool, bool, int]) -> SamplerOutput:
         all_greedy, need_truncation, max_logprobs = mode
         gv = {name: t[:bucket] for name, t in self.graph_vars.items()}
-        hidden = self.runner.decode_forward(gv["input_ids"], gv["positions"], gv["slot_mapping"], gv["slots"])
         st = SamplingTensors(
             temperature=gv["temperature"], top_k=gv["top_k"], top_p=gv["top_p"], min_p=gv["min_p"],
             seeds=gv["seeds"], counters=gv["counters"], bias=None, penalties=None,
             need_truncation=need_truncation, all_greedy=all_greedy, max_logprobs=max_logprobs)
-        return sample(self.runner.forward.logits(hidden), st)
+        return self.runner.decode_step(gv["input_ids"], gv["from_device"], gv["positions"],
+                                       gv["slot_mapping"], gv["slots"], st)
 
     def _capture(self, bucket: int, mode: tuple) -> tuple[torch.cuda.CUDAGraph, SamplerOutput]:
         start = time.perf_counter()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        # Warm-up steps scatter their ids into slot_tokens; the real step (the first replay)
+        # must still read the pending ids of the previous step, so each warm-up is undone.
+        slot_tokens = self.runner.slot_tokens
         with torch.cuda.stream(stream):
+            saved = slot_tokens.clone()
             for _ in range(2):                   # compile kernels and settle allocations first
                 self._step(bucket, mode)
+                slot_tokens.copy_(saved)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:

@@ -2,6 +2,10 @@
 
 The runner owns the KV cache and builds the attention metadata from the page table. It knows
 nothing about any architecture beyond the `ModelSpec` the forward class gives it.
+
+Async decode: a step may be launched before the previous step's tokens reach the host. Every
+decode step leaves its sampled ids in `slot_tokens` (indexed by batch slot), and a row whose
+`from_device` flag is set reads its input id from there instead of the host list.
 """
 from __future__ import annotations
 
@@ -31,6 +35,9 @@ class ModelRunner:
         first = spec.layers[0]
         self.decode_group = forward.num_heads // first.num_kv_heads
         self.graphs = None      # set by LLMEngine when CUDA graphs are enabled
+        # The last id each slot sampled in decode (slot 0 absorbs padding rows). Fixed address:
+        # captured graphs read and write it.
+        self.slot_tokens = torch.zeros(pages.max_slots + 1, dtype=torch.long, device=device)
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -68,14 +75,27 @@ class ModelRunner:
         return self.forward.forward(self._tensor(ids), meta, self.cache)
 
     def decode_inputs(self, seqs: list[Sequence]) -> dict[str, list[int]]:
-        """Host lists for one decode step: the last token of each sequence, not yet cached."""
-        positions = [seq.num_tokens - 1 for seq in seqs]
+        """Host lists for one decode step: the last token of each sequence, not yet cached.
+        A pending last token is still on the device: its row says so and carries a 0."""
+        positions = [seq.num_tokens_with_pending - 1 for seq in seqs]
         return {
-            "input_ids": [seq.token_ids[-1] for seq in seqs],
+            "input_ids": [0 if seq.num_pending else seq.token_ids[-1] for seq in seqs],
+            "from_device": [int(seq.num_pending > 0) for seq in seqs],
             "positions": positions,
             "slot_mapping": [self._slots(seq, pos, 1)[0] for seq, pos in zip(seqs, positions)],
             "slots": [seq.slot for seq in seqs],
         }
+
+    def decode_step(self, input_ids: torch.Tensor, from_device: torch.Tensor, positions: torch.Tensor,
+                    slot_mapping: torch.Tensor, slots: torch.Tensor, st: SamplingTensors,
+                    lora=None) -> SamplerOutput:
+        """Forward and sampler of one decode step on device tensors only (capturable)."""
+        input_ids = torch.where(from_device != 0, self.slot_tokens[slots], input_ids)
+        hidden = self.decode_forward(input_ids, positions, slot_mapping, slots, lora)
+        out = sample(self.forward.logits(hidden), st)
+        # Padding rows all write slot 0, which no row reads back.
+        self.slot_tokens.index_copy_(0, slots, out.token_ids)
+        return out
 
     def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        slot_mapping: torch.Tensor, slots: torch.Tensor, lora=None) -> torch.Tensor:
@@ -98,8 +118,22 @@ class ModelRunner:
         if self.graphs is not None and lora is None and self.graphs.can_run(len(seqs), st):
             return self.graphs.run(inputs, st)
         tensors = {name: self._tensor(values) for name, values in inputs.items()}
-        st = sampling_to_device(st, self.device)
-        return sample(self.forward.logits(self.decode_forward(**tensors, lora=lora)), st)
+        return self.decode_step(**tensors, st=sampling_to_device(st, self.device), lora=lora)
+
+    def read_back(self, out: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
+        """Queue host copies of a step's outputs and an event that marks them complete.
+
+        Call it right after the step, before anything else is launched: a graph's outputs are
+        static and the next replay of its bucket overwrites them; stream order keeps the copy
+        ahead of that. On CPU the outputs are already host tensors of their own step.
+        """
+        if self.device.type != "cuda":
+            return out, None
+        host = SamplerOutput(*(None if t is None else _to_pinned(t) for t in
+                               (out.token_ids, out.logprobs, out.ranks, out.top_ids, out.top_logprobs)))
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
 
     @torch.inference_mode()
     def sample(self, hidden: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
@@ -108,3 +142,11 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.forward.logits(hidden)
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A non-blocking device-to-host copy into a pinned block of torch's caching host allocator.
+    The host reads it after the step's event; a block dropped unread (a failed run) is not
+    handed out again before the copy into it has run (the allocator records the copy)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)

@@ -122,7 +122,7 @@ def _bias_rows(seqs, vocab: int) -> torch.Tensor | None:
     for seq in seqs:
         p = seq.params
         bans = seq.banned_next_tokens()
-        holding_stop = seq.num_generated < p.min_tokens
+        holding_stop = seq.num_generated + seq.num_pending < p.min_tokens
         if not (p.allowed_token_ids or p.logit_bias or bans or holding_stop):
             rows.append(None)
             continue
@@ -140,6 +140,17 @@ def _bias_rows(seqs, vocab: int) -> torch.Tensor | None:
         return None
     zero = torch.zeros(vocab)
     return torch.stack([zero if r is None else r for r in rows])
+
+
+def has_static_sampling(seq) -> bool:
+    """This row needs no bias row and no penalty counts: its settings do not depend on the
+    tokens generated so far, so its step can be built before the previous token is read back
+    (and replayed from a CUDA graph). Mirrors `_bias_rows` and `_penalty_state`."""
+    p = seq.params
+    return not (p.allowed_token_ids or p.logit_bias or seq.bad_words_ids
+                or seq.num_generated + seq.num_pending < p.min_tokens
+                or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0)
 
 
 def _penalty_state(seqs, vocab: int) -> tuple | None:
@@ -174,7 +185,7 @@ def build_sampling_tensors(seqs, vocab: int) -> SamplingTensors:
         top_p=torch.tensor(top_p, dtype=torch.float32),
         min_p=torch.tensor(min_p, dtype=torch.float32),
         seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64),
-        counters=torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64),
+        counters=torch.tensor([s.num_tokens_with_pending for s in seqs], dtype=torch.int64),
         bias=_bias_rows(seqs, vocab),
         penalties=_penalty_state(seqs, vocab),
         need_truncation=need_truncation,

@@ -28,6 +28,9 @@ class Sequence:
     slot: int = 0
     num_computed: int = 0              # tokens whose KV is in the cache
     num_cached: int = 0                # prompt tokens whose KV was reused, not computed
+    # Tokens sampled by a launched decode step whose result the host has not read yet (async
+    # decode). 0 or 1 when a step is scheduled; positions, pages and counters count them.
+    num_pending: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict] | None = None
@@ -42,6 +45,15 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def length_exhausted(self) -> bool:
+        """Its pending token is its last (max_tokens is already capped at max_model_len)."""
+        return self.num_generated + self.num_pending >= self.max_tokens
 
     @property
     def num_generated(self) -> int:
