@@ -46,7 +46,9 @@ class EngineConfig:
     # q/k/v in one launch, gate/up with SiLU-mul in one launch. Larger batches use cuBLAS.
     small_batch_kernels: bool = True
     # Launch decode step t+1 before reading step t's tokens back (they are fed device to device),
-    # so host work (scheduling, stop checks, detokenizing) overlaps the GPU.
+    # so host work (scheduling, stop checks, detokenizing) overlaps the GPU. Stops are found a step
+    # late (that extra token is discarded). Prefills, preemptions and steps with penalties, biases,
+    # min_tokens, bad words or LoRA rows still run synchronously. False: read every step back first.
     async_decode: bool = True
     # Share the KV pages of identical prompts inside one generate call (GRPO groups).
     enable_prefix_caching: bool = True

@@ -1,4 +1,13 @@
-"""The engine loop, written once for every architecture: schedule, run, sample, stop."""
+"""The engine loop, written once for every architecture: schedule, run, sample, stop.
+
+Async decode (`EngineConfig.async_decode`): a decode step whose rows need no history-dependent
+sampling state is launched before the previous step's tokens are read back, and that previous
+result is processed while the GPU runs the new step. At most one step is pending. The next step
+assumes every sequence continues; one that stopped (EOS, stop id, stop string) is found a step
+late and its extra token is discarded. Anything that needs the exact host state (a prefill,
+a preemption, penalties / biases / min_tokens / bad words / LoRA rows, the end of `run`)
+drains the pending step first.
+"""
 from __future__ import annotations
 
 import logging
@@ -13,7 +22,7 @@ from .graphs import DecodeGraphs
 from .detokenizer import append_text, final_text, find_stop_string
 from .page_table import PageTable
 from .runner import ModelRunner
-from .sampler import SamplerOutput, build_sampling_tensors, sampling_to_device
+from .sampler import SamplerOutput, build_sampling_tensors, has_static_sampling, sampling_to_device
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -30,6 +39,17 @@ class EngineStats:
     generated_tokens: int = 0
     preemptions: int = 0
     pages_allocated: int = 0
+    overlapped_decode_steps: int = 0   # launched while the previous step's tokens were unread
+    discarded_tokens: int = 0          # computed past a stop found one step late (async decode)
+
+
+@dataclass
+class PendingDecode:
+    """A launched decode step whose sampled outputs are on their way to the host."""
+
+    seqs: list[Sequence]
+    out: SamplerOutput                 # host tensors, valid once `ready` has completed
+    ready: torch.cuda.Event | None     # None on CPU: the outputs are already there
 
 
 @dataclass
@@ -82,6 +102,7 @@ class LLMEngine:
         if device.type == "cuda" and not config.enforce_eager and backend == "flex":
             self.runner.graphs = DecodeGraphs(self.runner, config.max_num_seqs)
         self.stats = EngineStats()
+        self._pending: PendingDecode | None = None
         page_bytes = KVCache.bytes_per_page(self.spec.layers, self.page_size, dtype)
         self.cache_bytes = num_pages * page_bytes
         logger.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
@@ -151,8 +172,12 @@ class LLMEngine:
         try:
             while self.scheduler.has_work():
                 self.step(on_finish)
+            self._drain(on_finish)       # steps computed only past stops: discarded
         except BaseException:
-            # Leave nothing of this call behind: the next call must start clean.
+            # Leave nothing of this call behind: the next call must start clean. An unread
+            # step is dropped without waiting (after a device error waiting would raise again);
+            # stream order keeps its writes ahead of anything the next call launches.
+            self._pending = None
             self.scheduler.abort_all()
             raise
 
@@ -167,15 +192,48 @@ class LLMEngine:
         return [group[i:i + size] for i in range(0, len(group), size)]
 
     def step(self, on_finish=None) -> None:
+        if self._pending is not None and not self._can_overlap():
+            self._drain(on_finish)
+            if not self.scheduler.has_work():
+                return
         batch = self.scheduler.schedule()
         if batch.prefill:
             self._prefill(batch.prefill, on_finish)
         elif batch.decode:
             self._decode(batch.decode, on_finish)
+        elif self._pending is not None:
+            self._drain(on_finish)       # every running sequence ends with its pending token
         else:
             raise RuntimeError("scheduler made no progress: no sequence could be scheduled")
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.pages_allocated = self.pages.pages_allocated
+
+    # -- async decode ------------------------------------------------------------------------
+    def _can_overlap(self) -> bool:
+        """The next step can be scheduled and built while the pending tokens are unknown: it is
+        a decode step without preemption whose every row can be pipelined."""
+        sched = self.scheduler
+        return (not sched.prefill_ready() and not sched.admission_after_drain() and sched.decode_fits()
+                and all(self._pipelinable(seq) for seq in sched.decode_candidates()))
+
+    def _pipelinable(self, seq: Sequence) -> bool:
+        """Its next step does not need its previous token on the host (see `has_static_sampling`);
+        LoRA rows run eagerly and are kept synchronous too."""
+        return self.config.async_decode and seq.lora is None and has_static_sampling(seq)
+
+    def _drain(self, on_finish) -> None:
+        """Process the pending step, if any, so the host state is exact."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._process(pending, on_finish)
+
+    def _process(self, pending: PendingDecode, on_finish) -> None:
+        if pending.ready is not None:
+            pending.ready.synchronize()
+        for seq in pending.seqs:
+            if seq.status is not Status.FINISHED:
+                seq.num_pending -= 1
+        self._append(pending.seqs, pending.out, on_finish)
 
     def _prefill(self, chunks: list[tuple[Sequence, int]], on_finish) -> None:
         hidden = self.runner.prefill(chunks)
@@ -217,14 +275,26 @@ class LLMEngine:
         out = self.runner.decode(seqs, build_sampling_tensors(seqs, self.spec.vocab_size))
         self.stats.decode_steps += 1
         for seq in seqs:
-            seq.num_computed = seq.num_tokens
-        self._append(seqs, out, on_finish)
+            seq.num_computed = seq.num_tokens_with_pending
+        if not all(self._pipelinable(seq) for seq in seqs):
+            self._append(seqs, out, on_finish)      # synchronous (nothing is pending here)
+            return
+        launched = PendingDecode(seqs, *self.runner.read_back(out))
+        for seq in seqs:
+            seq.num_pending += 1
+        previous, self._pending = self._pending, launched
+        if previous is not None:
+            self.stats.overlapped_decode_steps += 1
+            self._process(previous, on_finish)     # while the GPU runs `launched`
 
     # -- after sampling ----------------------------------------------------------------------
     def _append(self, seqs: list[Sequence], out: SamplerOutput, on_finish) -> None:
         token_ids = out.token_ids.tolist()          # the one device -> host transfer per step
         extras = self._logprob_rows(out)
         for row, (seq, token) in enumerate(zip(seqs, token_ids)):
+            if seq.status is Status.FINISHED:
+                self.stats.discarded_tokens += 1    # it stopped one step earlier
+                continue
             seq.token_ids.append(token)
             self.stats.generated_tokens += 1
             if seq.params.logprobs is not None:

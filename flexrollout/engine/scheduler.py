@@ -6,6 +6,10 @@ allocated at admission so a chunked prefill never waits for pages. Decode grows 
 time and, when none are left, preempts the most recently admitted sequence (recompute later).
 A request that could not fit alone is rejected before any work (see `LLMEngine`), so the
 oldest running sequence can always make progress: no deadlock.
+
+With async decode a sequence may hold a pending token (sampled on the device, not yet read
+back): decode counts it (pages, length limit), and `prefill_ready` / `decode_fits` let the
+engine ask, without changing anything, whether the next step needs the exact host state.
 """
 from __future__ import annotations
 
@@ -42,6 +46,27 @@ class Scheduler:
         if prefill:
             return ScheduledBatch(prefill, [])
         return ScheduledBatch([], self._schedule_decode())
+
+    # -- questions asked before scheduling (they change nothing) -------------------------------
+    def prefill_ready(self) -> bool:
+        """The next `schedule` would return a prefill step."""
+        return any(s.share_with is None and s.in_prefill for s in self.running) or (
+            bool(self.waiting) and self._can_admit(self.waiting[0]))
+
+    def admission_after_drain(self) -> bool:
+        """A group waits and a running sequence ends with its pending token (max_tokens): the
+        synchronous loop would free its slot first and admit, so the engine should drain."""
+        return bool(self.waiting) and any(s.length_exhausted for s in self.running)
+
+    def decode_candidates(self) -> list[Sequence]:
+        """Sequences the next decode step would take if nothing had to be preempted."""
+        return [s for s in self.running if s.share_with is None and not s.length_exhausted]
+
+    def decode_fits(self) -> bool:
+        """The next decode step finds every page it needs without preempting."""
+        needed = sum(self.pages.pages_needed(s.slot, s.num_tokens_with_pending)
+                     for s in self.decode_candidates())
+        return needed <= self.pages.num_free_pages
 
     # -- prefill -----------------------------------------------------------------------------
     def _schedule_prefill(self) -> list[tuple[Sequence, int]]:
@@ -89,18 +114,23 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.share_with is not None:
                 continue                      # preempted earlier in this loop, or not forked yet
-            while self.pages.pages_needed(seq.slot, seq.num_tokens) > self.pages.num_free_pages:
+            if seq.length_exhausted:
+                continue                      # its pending token ends it: never compute past it
+            length = seq.num_tokens_with_pending
+            while self.pages.pages_needed(seq.slot, length) > self.pages.num_free_pages:
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
-                self.pages.grow(seq.slot, seq.num_tokens)
+                self.pages.grow(seq.slot, length)
                 batch.append(seq)
         return batch
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's pages; it is recomputed from its tokens when readmitted."""
+        if seq.num_pending:
+            raise RuntimeError("preempting a sequence whose pending token was not read back")
         self.running.remove(seq)
         self.pages.release_slot(seq.slot)
         seq.slot, seq.num_computed, seq.share_with = 0, 0, None
@@ -112,12 +142,15 @@ class Scheduler:
         """Drop every sequence (a step failed): free their slots and pages."""
         for seq in list(self.running):
             self.pages.release_slot(seq.slot)
-            seq.slot, seq.status = 0, Status.FINISHED
+            seq.slot, seq.status, seq.num_pending = 0, Status.FINISHED, 0
         self.running.clear()
         self.waiting.clear()
 
     def finish(self, seq: Sequence) -> None:
+        """Free a finished sequence's slot and pages. A step still in flight may use them: it was
+        launched before this call, so stream order keeps any later reuse behind it."""
         self.running.remove(seq)
         self.pages.release_slot(seq.slot)
         seq.slot = 0
         seq.status = Status.FINISHED
+        seq.num_pending = 0         # a token computed past the stop is discarded, not read
