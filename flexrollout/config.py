@@ -43,8 +43,10 @@ class EngineConfig:
     # torch.compile the per-layer norm/RoPE/MLP math on CUDA (fuses ~30 small kernels per layer).
     compile_layers: bool = True
     # Triton split-K GEMV kernels for the projections of small batches (CUDA, bf16/fp16/fp32):
-    # q/k/v in one launch, gate/up with SiLU-mul in one launch. Larger batches use cuBLAS.
+    # q/k/v in one launch, gate/up with SiLU-mul in one launch, for batches of at most
+    # small_batch_max_rows (<= 32) rows. Larger batches use cuBLAS.
     small_batch_kernels: bool = True
+    small_batch_max_rows: int = 32
     # Launch decode step t+1 before reading step t's tokens back (they are fed device to device),
     # so host work (scheduling, stop checks, detokenizing) overlaps the GPU. Stops are found a step
     # late (that extra token is discarded). Prefills, preemptions and steps with penalties, biases,
@@ -58,8 +60,11 @@ class EngineConfig:
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs",):
+        for name in ("max_num_seqs", "small_batch_max_rows"):
             _check_positive_int(name, getattr(self, name))
+        if self.small_batch_max_rows > 32:
+            raise ValueError("small_batch_max_rows must be <= 32 (the GEMV kernel's largest row tile), "
+                             f"got {self.small_batch_max_rows}")
         for name in ("max_model_len", "max_num_batched_tokens", "page_size", "num_kv_pages"):
             value = getattr(self, name)
             if value is not None:

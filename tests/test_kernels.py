@@ -46,6 +46,8 @@ CASES = [
     (16, 384, [70, 16], False, 1, "float16", 1e-2),
     (3, 256, [72, 72], True, 1, "float32", 1e-6),         # gate/up with SiLU-mul epilogue
     (9, 512, [130], False, 4, "float16", 1e-2),
+    (24, 256, [80, 48], False, 2, "float32", 1e-6),       # 17..32 rows: the 32-row tile
+    (32, 256, [64, 64], True, 1, "float16", 1e-2),
 ]
 
 
@@ -81,7 +83,7 @@ def test_split_rule():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("m", [1, 8, 16, 24, 32])
 def test_kernel_on_cuda(m):
     torch.manual_seed(m)
     for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):

@@ -20,8 +20,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-# Largest batch routed here; larger ones go to cuBLAS (on par or faster from M = 64 on).
-MAX_ROWS = 16
+# Largest batch the kernel takes (its row tile is 16 or 32); larger ones go to cuBLAS, which is
+# on par or faster from M = 64 on. The engine's threshold is EngineConfig.small_batch_max_rows.
+MAX_ROWS = 32
 BLOCK_N = 64
 BLOCK_K = 128
 # Enough programs to keep the H200's 132 SMs streaming: split K until blocks x split >= this.
@@ -36,9 +37,10 @@ def weight_supported(weight: torch.Tensor) -> bool:
             and weight.shape[1] % BLOCK_K == 0)
 
 
-def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def supported(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """Whether a projection of `x` by `weight` takes this path."""
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= min(max_rows, MAX_ROWS)
+            and x.dtype == weight.dtype
             and weight_supported(weight))
 
 
@@ -132,7 +134,7 @@ def launch(x, w0, w1, w2, silu_mul: bool, split: int) -> torch.Tensor:
     _kernel()[(sum(blocks), split)](
         x, w0, w0 if w1 is None else w1, w0 if w2 is None else w2, out, m, k, k_per, n0, n1, n2,
         blocks[0], blocks[1], x.stride(0), out.stride(0), out.stride(1),
-        BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SILU_MUL=silu_mul, IEEE=fp32,
+        BLOCK_M=16 if m <= 16 else 32, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SILU_MUL=silu_mul, IEEE=fp32,
         # Measured on the H200: 3 stages for wide outputs, 5 for the rest; fp32 tiles are twice
         # the bytes, so 3 keeps them inside shared memory.
         num_warps=4, num_stages=3 if many or fp32 else 5)
@@ -157,9 +159,10 @@ def _reference(x, w0, w1, w2, silu_mul: bool, split: int) -> torch.Tensor:
                         for i in range(split)])
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+            max_rows: int = MAX_ROWS) -> torch.Tensor:
     """`F.linear` that routes small CUDA batches through the kernel (same dtype out)."""
-    if not supported(x, weight):
+    if not supported(x, weight, max_rows):
         return F.linear(x, weight, bias)
     out = small_linear(x, weight).sum(0).to(x.dtype)
     return out if bias is None else out + bias

@@ -89,7 +89,7 @@ class LlamaForward:
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._qkv, self._out = qkv_rope, out_mlp
         self.merged = None        # a MergedLora in lora_mode="merged"
-        self.small_kernels = False  # set by prepare(): GEMV kernels for small CUDA batches
+        self.small_rows = 0  # set by prepare(): batches up to this many rows use the GEMV kernels
 
     def spec(self) -> ModelSpec:
         layer = LayerSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
@@ -100,7 +100,7 @@ class LlamaForward:
             max_position_embeddings=self.config.max_position_embeddings,
         )
 
-    def prepare(self, max_len: int, compile_layers: bool, small_kernels: bool = False) -> None:
+    def prepare(self, max_len: int, compile_layers: bool, small_rows: int = 0) -> None:
         """Build the cos/sin tables from the model's own inv_freq buffer (its rope scaling)."""
         rotary = self.body.rotary_emb
         rope_type = getattr(rotary, "rope_type", "default")
@@ -108,7 +108,7 @@ class LlamaForward:
             raise NotImplementedError(f"rope_type {rope_type!r} is not supported yet")
         self._rope_cache = rope_tables(rotary.inv_freq, float(rotary.attention_scaling),
                                        max_len, self.dtype)
-        self.small_kernels = small_kernels and self._kernel_shapes_ok()
+        self.small_rows = min(small_rows, gemv.MAX_ROWS) if self._kernel_shapes_ok() else 0
         if compile_layers:
             self._qkv = torch.compile(qkv_rope, dynamic=True, fullgraph=True)
             self._out = torch.compile(out_mlp, dynamic=True, fullgraph=True)
@@ -118,7 +118,7 @@ class LlamaForward:
         cos_table, sin_table = self._rope_cache
         cos, sin = cos_table[meta.positions], sin_table[meta.positions]
         hidden = F.embedding(input_ids, self.body.embed_tokens.weight).to(self.dtype)
-        small = self.small_kernels and hidden.is_cuda and hidden.shape[0] <= gemv.MAX_ROWS
+        small = hidden.is_cuda and hidden.shape[0] <= self.small_rows
         for index, layer in enumerate(self.body.layers):
             if meta.lora is not None or (self.merged is None and _has_lora(layer)):
                 hidden = self._lora_layer(index, layer, hidden, cos, sin, meta, cache)
@@ -145,8 +145,8 @@ class LlamaForward:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.hf.lm_head
-        if self.small_kernels and not hasattr(head, "base_layer") and gemv.supported(hidden, head.weight):
-            return gemv.project(hidden, head.weight, head.bias).float()
+        if not hasattr(head, "base_layer") and gemv.supported(hidden, head.weight, self.small_rows):
+            return gemv.project(hidden, head.weight, head.bias, self.small_rows).float()
         return linear(hidden, head).float()
 
     def _kernel_shapes_ok(self) -> bool:
