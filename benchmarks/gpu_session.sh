@@ -1,24 +1,39 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU evidence: profile, benchmarks, GPU tests, sleep/wake.
-# Usage (on the GPU machine, repo root): bash benchmarks/gpu_session.sh "$OUT" [extra]
-# "extra" also runs the LoRA-mode costs and the TRL GRPO comparison (needs trl wheels carried).
+# GPU evidence in device-call-sized parts (each well under 10 minutes on an H200).
+# Usage (on the GPU machine, repo root): bash benchmarks/gpu_session.sh OUT PART
+#   core : GPU tests, the Qwen3-4B sweep (decode + GRPO, HF baseline, plot)
+#   ab   : the decode sweep with async decode off / GEMV kernels capped at 16 rows,
+#          Llama-3.2-3B decode + prefill, per-kernel profiles at batch 1 and 64
+#   extra: LoRA-mode costs and the TRL GRPO comparison (needs the trl wheels installed)
 out=${1:-/tmp/flexrollout-gpu}
+part=${2:-core}
 mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 filter() { grep -v -e DEBUG -e "UserWarning" -e "warn_once"; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-timeout 120 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 8 2>&1 | filter | head -26 > "$out/profile.txt"
-timeout 200 python3 -m flexrollout.cli bench --preset qwen3-4b --batch-sizes 1,2,4,8,12,16,24,32,48,64 \
-  --workload decode,grpo --compare hf --hf-max-tokens 32 --json "$out/qwen3-4b.json" 2>&1 | filter | tail -14 > "$out/qwen3-4b.txt"
-timeout 120 python3 -m flexrollout.cli bench --preset llama-3.2-3b --batch-sizes 1,8,64 \
-  --workload decode,prefill --json "$out/llama-3.2-3b.json" 2>&1 | filter | tail -6 > "$out/llama.txt"
-timeout 150 python3 -m pytest -q tests/test_gpu.py 2>&1 | filter | tail -4 > "$out/tests.txt"
-timeout 120 python3 benchmarks/sleep_wake.py --cycles 100 --check-every 25 2>&1 | filter | grep -A40 '^{' > "$out/sleep.txt"
-names="profile qwen3-4b llama tests sleep"
-if [ "${2:-}" = extra ]; then
+bench() { timeout "$1" python3 -m flexrollout.cli bench "${@:2}" 2>&1 | filter; }
+sweep=1,2,4,8,12,16,24,32,48,64
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/gpu.txt"
+case $part in
+core)
+  timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_kernels.py tests/test_async_decode.py \
+    2>&1 | filter | tail -6 > "$out/tests.txt"
+  bench 260 --preset qwen3-4b --batch-sizes $sweep --workload decode,grpo --compare hf --hf-max-tokens 32 \
+    --json "$out/qwen3-4b.json" --plot "$out/qwen3-4b.png" | tail -16 > "$out/qwen3-4b.txt"
+  names="gpu tests qwen3-4b" ;;
+ab)
+  for variant in '{"async_decode": false}' '{"small_batch_max_rows": 16}'; do
+    echo "== $variant"
+    bench 100 --preset qwen3-4b --batch-sizes 1,8,16,24,32,64 --workload decode,grpo --engine-args "$variant" | tail -8
+  done > "$out/ab.txt"
+  bench 120 --preset llama-3.2-3b --batch-sizes 1,8,64 --workload decode,prefill \
+    --json "$out/llama-3.2-3b.json" | tail -8 > "$out/llama.txt"
+  for b in 1 64; do timeout 60 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch $b 2>&1 \
+    | filter | head -30; done > "$out/profile.txt"
+  names="gpu ab llama profile" ;;
+extra)
   timeout 240 python3 benchmarks/lora_modes.py --preset qwen3-4b 2>&1 | filter | grep -A40 '^{' > "$out/lora.txt"
-  for mode in flex hf; do timeout 200 python3 benchmarks/trl_grpo.py $mode 2>&1 | tail -1; done > "$out/trl.txt"
-  timeout 200 python3 -m pytest -q tests/test_trl.py -m gpu 2>&1 | filter | tail -4 >> "$out/tests.txt"
-  names="$names lora trl"
-fi
+  timeout 200 python3 -m pytest -q tests/test_trl.py -m gpu 2>&1 | filter | tail -4 > "$out/tests.txt"
+  for mode in flex hf; do timeout 150 python3 benchmarks/trl_grpo.py $mode 2>&1 | tail -1; done > "$out/trl.txt"
+  names="gpu lora tests trl" ;;
+esac
 for f in $names; do echo "== $f"; cat "$out/$f.txt"; done

@@ -173,6 +173,7 @@ def bench(args) -> dict:
     spec = llm.llm_engine.spec
     kv_per_token = sum(2 * s.num_kv_heads * s.head_dim for s in spec.layers) * torch.empty((), dtype=dtype).element_size()
     rows = []
+    engine_peak = 0  # the HF baseline's own KV cache must not count as the engine's peak
     workloads = args.workload.split(",")
     if "decode" in workloads:
         for batch in batch_sizes:
@@ -183,8 +184,10 @@ def bench(args) -> dict:
                 roof = batch * result["bandwidth_GBs"] * 1e9 / (weights + batch * ctx * kv_per_token)
                 row.update(roofline_tok_s=roof, roofline_pct=100 * tok_s / roof)
             if args.compare == "hf":
+                engine_peak = max(engine_peak, _peak_bytes(device))
                 row["hf_tok_s"] = run_hf(model, batch, args.prompt_len, args.hf_max_tokens, vocab, device)
                 row["x_hf"] = tok_s / row["hf_tok_s"]
+                _peak_bytes(device)  # drop HF's own peak
             rows.append(row)
             logger.warning("%s", row)
     if "grpo" in workloads:
@@ -217,14 +220,25 @@ def bench(args) -> dict:
     graphs = llm.llm_engine.runner.graphs
     result["graph_capture_s"] = graphs.capture_seconds if graphs is not None else 0.0
     if device == "cuda":
-        result["peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
+        peak = max(engine_peak, torch.cuda.max_memory_allocated())
+        result["peak_GB"] = peak / 1e9
         result["kv_cache_GB"] = llm.llm_engine.cache_bytes / 1e9
         # What the engine adds beyond the model's weights and its KV cache (graph pool,
         # activations, logits; merged LoRA copies), as a fraction of the weights.
-        overhead = torch.cuda.max_memory_allocated() - weights - llm.llm_engine.cache_bytes
+        overhead = peak - weights - llm.llm_engine.cache_bytes
         result["overhead_GB"] = overhead / 1e9
         result["overhead_pct_of_weights"] = 100 * overhead / weights
     return result
+
+
+def _peak_bytes(device: str) -> int:
+    """Peak allocated bytes since the last call (the counter is reset), 0 off CUDA."""
+    if device != "cuda":
+        return 0
+    peak = torch.cuda.max_memory_allocated()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return peak
 
 
 def print_table(result: dict) -> None:
