@@ -1,5 +1,8 @@
 """Where a decode step's time goes: GPU kernels by category, and host time around replay.
 
+The prefill is taken out: the same prompts are profiled once with one new token, and those
+kernel times (and that wall time) are subtracted, leaving steps - 1 decode steps.
+
     python benchmarks/profile_decode.py --preset qwen3-4b --batch 8
 """
 from __future__ import annotations
@@ -17,13 +20,34 @@ from flexrollout.bench import random_model
 
 def _category(name: str) -> str:
     lowered = name.lower()
-    for key, label in (("flex", "attention"), ("gemm", "gemm"), ("gemv", "gemm"), ("cutlass", "gemm"),
+    for key, label in (("small_linear_kernel", "gemm"), ("flex", "attention"), ("gemm", "gemm"), ("gemv", "gemm"), ("cutlass", "gemm"),
                        ("nvjet", "gemm"), ("sm90", "gemm"), ("argmax", "sampler"), ("softmax", "sampler"),
                        ("sort", "sampler"), ("index", "index/copy"), ("copy", "index/copy"),
                        ("triton", "triton-other")):
         if key in lowered:
             return label
     return "elementwise/other"
+
+
+def _kernel_times(llm, prompts, params) -> dict[str, float]:
+    """GPU microseconds per kernel name for one generate call."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    times: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        cuda_us = getattr(evt, "self_device_time_total", 0) or 0
+        if cuda_us > 0:
+            times[evt.key] += cuda_us
+    return times
+
+
+def _wall(llm, prompts, params) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -37,33 +61,22 @@ def main() -> None:
     llm = LLM(model, max_model_len=2048, max_num_seqs=max(args.batch, 8), gpu_memory_utilization=0.5)
     prompts = [{"prompt_token_ids": list(range(10 + i, 138 + i))} for i in range(args.batch)]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.steps, ignore_eos=True)
+    prefill_only = SamplingParams(temperature=args.temperature, max_tokens=1, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
+    steps = args.steps - 1
+    wall = _wall(llm, prompts, params) - _wall(llm, prompts, prefill_only)
+    full, prefill = _kernel_times(llm, prompts, params), _kernel_times(llm, prompts, prefill_only)
+    by_name = {name: us - prefill.get(name, 0.0) for name, us in full.items()}
     by_cat: dict[str, float] = defaultdict(float)
-    by_name: dict[str, float] = defaultdict(float)
-    for evt in prof.key_averages():
-        cuda_us = getattr(evt, "self_device_time_total", 0) or 0
-        if cuda_us <= 0:
-            continue
-        by_cat[_category(evt.key)] += cuda_us
-        by_name[evt.key] += cuda_us
-    steps = args.steps
-    print(f"wall per generated step: {wall / steps * 1e3:.2f} ms (batch {args.batch})")
-    print(f"GPU kernel time per step: {sum(by_cat.values()) / steps / 1e3:.2f} ms")
+    for name, us in by_name.items():
+        by_cat[_category(name)] += us
+    print(f"wall per decode step: {wall / steps * 1e3:.2f} ms (batch {args.batch}, prefill excluded)")
+    print(f"GPU kernel time per decode step: {sum(by_cat.values()) / steps / 1e3:.2f} ms")
     for cat, us in sorted(by_cat.items(), key=lambda x: -x[1]):
         print(f"  {cat:20s} {us / steps / 1e3:8.3f} ms/step")
     print("top kernels:")
     for name, us in sorted(by_name.items(), key=lambda x: -x[1])[:15]:
         print(f"  {us / steps / 1e3:8.3f} ms/step  {name[:110]}")
-    cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
-    print(cpu)
 
 
 if __name__ == "__main__":
