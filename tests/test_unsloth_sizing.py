@@ -42,3 +42,23 @@ def test_lazy_engine_grows_before_build_and_refuses_after(caplog):
         lazy.ensure_batch_size(128)
     lazy.ensure_batch_size(64)                      # what it already has is fine
     assert built == [64]
+
+
+def test_built_but_unused_engine_is_rebuilt_at_the_new_size(caplog):
+    built = []
+
+    class Engine:
+        def __init__(self, size):
+            self.size = size
+
+        def generate(self, prompt):
+            return f"{prompt}@{self.size}"
+
+    lazy = LazyEngine(lambda size: built.append(size) or Engine(size))
+    assert lazy.size == 32 and lazy.built and not lazy.used     # a read builds, but generates nothing
+    with caplog.at_level(logging.WARNING):
+        lazy.ensure_batch_size(96)
+    assert "32 -> 96" in caplog.text and "rebuilding" in caplog.text and not lazy.built
+    assert lazy.generate("hi") == "hi@96" and built == [32, 96] and lazy.used
+    with pytest.raises(RuntimeError, match="max_batch_size=97"):
+        lazy.ensure_batch_size(97)

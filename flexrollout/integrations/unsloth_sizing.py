@@ -3,8 +3,11 @@
 Unsloth builds its engine before it knows the GRPO run, so the engine is a placeholder until
 first use (`LazyEngine`). Its batch dimension is max(the user's `max_batch_size`, 32, and
 per_device_train_batch_size x steps_per_generation x num_generations once a GRPO trainer is
-built). Growing before the engine exists is logged as a warning; growing after its CUDA graphs
-are captured would need a new engine, so it raises a RuntimeError naming what to pass instead.
+built). Growing is logged as a warning. An engine that was built but has not generated yet
+(its CUDA graphs are not captured) is simply rebuilt at the new size: it shares the model's
+weights, so that costs no copy. Growing an engine that has generated would need new graphs and
+a new cache behind references clients already hold, so it raises a RuntimeError naming what to
+pass to `from_pretrained` instead.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ DEFAULT_MAX_BATCH_SIZE = 32
 
 def grpo_batch_size(per_device_train_batch_size: int, steps_per_generation: int | None,
                     num_generations: int) -> int:
-    """Sequences one GRPO generation round submits at once."""
+    """Sequences one GRPO generation round submits at once (the flex branch's rule)."""
     return per_device_train_batch_size * (steps_per_generation or 1) * num_generations
 
 
@@ -35,26 +38,50 @@ class LazyEngine:
         self._build = build
         self.max_batch_size = required_batch_size(max_batch_size)
         self._engine = None
+        self._used = False
 
     @property
     def built(self) -> bool:
         return self._engine is not None
 
+    @property
+    def used(self) -> bool:
+        """Whether the engine has generated (and so may hold captured graphs and a cache)."""
+        return self._used
+
     def ensure_batch_size(self, needed: int) -> None:
-        """Grow to `needed` sequences, or refuse once the engine (and its graphs) exists."""
+        """Grow to `needed` sequences, or refuse once the engine has generated."""
         if needed <= self.max_batch_size:
             return
-        if self._engine is not None:
+        if self._used:
             raise RuntimeError(
                 f"the flexrollout engine was already built for {self.max_batch_size} sequences and "
-                f"this run needs {needed}; pass max_batch_size={needed} to from_pretrained")
-        logger.warning("flexrollout engine batch size %d -> %d", self.max_batch_size, needed)
+                f"has generated (its CUDA graphs are captured); this run needs {needed}. "
+                f"Pass max_batch_size={needed} to from_pretrained")
+        logger.warning("flexrollout engine batch size %d -> %d%s", self.max_batch_size, needed,
+                       " (rebuilding the engine, which has not generated yet)" if self.built else "")
         self.max_batch_size = needed
+        self._engine = None
 
     def engine(self):
         if self._engine is None:
             self._engine = self._build(self.max_batch_size)
         return self._engine
+
+    def generate(self, *args, **kwargs):
+        engine = self.engine()
+        self._used = True
+        return engine.generate(*args, **kwargs)
+
+    def chat(self, *args, **kwargs):
+        engine = self.engine()
+        self._used = True
+        return engine.chat(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        # A copied model (a reference model, say) shares the engine rather than copying it and
+        # the weights it holds.
+        return self
 
     def __getattr__(self, name: str):
         # Only reached for attributes LazyEngine itself lacks: build, then delegate.
