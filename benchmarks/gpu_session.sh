@@ -3,8 +3,9 @@
 # Usage (on the GPU machine, repo root): bash benchmarks/gpu_session.sh OUT PART
 #   core : GPU tests, the Qwen3-4B sweep (decode + GRPO, HF baseline, plot)
 #   ab   : the decode sweep with async decode off / GEMV kernels capped at 16 rows,
-#          Llama-3.2-3B decode + prefill, per-kernel profiles at batch 1 and 64
-#   extra: LoRA-mode costs and the TRL GRPO comparison (needs the trl wheels installed)
+#          Llama-3.2-3B decode + prefill
+#   lora : LoRA-mode costs (live vs merged, r=16/64), decode-only profiles at batch 1 and 64
+#   trl  : the TRL GPU test and the GRPO step-time comparison (needs the trl wheels installed)
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
 mkdir -p "$out"
@@ -27,13 +28,16 @@ ab)
   done > "$out/ab.txt"
   bench 120 --preset llama-3.2-3b --batch-sizes 1,8,64 --workload decode,prefill \
     --json "$out/llama-3.2-3b.json" | tail -8 > "$out/llama.txt"
-  for b in 1 64; do timeout 60 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch $b 2>&1 \
-    | filter | head -30; done > "$out/profile.txt"
-  names="gpu ab llama profile" ;;
-extra)
-  timeout 240 python3 benchmarks/lora_modes.py --preset qwen3-4b 2>&1 | filter | grep -A40 '^{' > "$out/lora.txt"
+  names="gpu ab llama" ;;
+lora)
+  timeout 240 python3 benchmarks/lora_modes.py --preset qwen3-4b > "$out/lora.log" 2>&1
+  { grep -A40 '^{' "$out/lora.log" || tail -25 "$out/lora.log"; } > "$out/lora.txt"
+  for b in 1 64; do timeout 90 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch $b 2>&1 \
+    | filter | head -24; done > "$out/profile.txt"
+  names="gpu lora profile" ;;
+trl)
   timeout 200 python3 -m pytest -q tests/test_trl.py -m gpu 2>&1 | filter | tail -4 > "$out/tests.txt"
   for mode in flex hf; do timeout 150 python3 benchmarks/trl_grpo.py $mode 2>&1 | tail -1; done > "$out/trl.txt"
-  names="gpu lora tests trl" ;;
+  names="gpu tests trl" ;;
 esac
 for f in $names; do echo "== $f"; cat "$out/$f.txt"; done

@@ -6,6 +6,7 @@ time of one merged refresh after an in-place adapter update.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 
@@ -20,6 +21,13 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def _release(device: str) -> None:
+    """Return a deleted engine's KV cache and graph pools to the GPU before the next one sizes its cache."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -41,6 +49,7 @@ def main() -> None:
         base = LLM(model, max_model_len=1024, max_num_seqs=max(batches), gpu_memory_utilization=0.3)
         rows = {f"base_bs{b}": run_decode(base, b, 128, args.max_tokens, vocab) for b in batches}
         del base
+        _release(args.device)
         peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ALL))
         for mode in ("live", "merged"):
             llm = LLM(peft_model, max_model_len=1024, max_num_seqs=max(batches),
@@ -58,6 +67,7 @@ def main() -> None:
                 rows["merged_refresh_ms"] = 1e3 * (time.perf_counter() - start)
                 rows["merged_matrices"] = count
             del llm
+            _release(args.device)
         results.append({"rank": rank, **{k: round(v, 1) if isinstance(v, float) else v for k, v in rows.items()}})
         del peft_model, model
         if args.device == "cuda":

@@ -22,8 +22,8 @@ def _category(name: str) -> str:
     lowered = name.lower()
     for key, label in (("small_linear_kernel", "gemm"), ("flex", "attention"), ("gemm", "gemm"), ("gemv", "gemm"), ("cutlass", "gemm"),
                        ("nvjet", "gemm"), ("sm90", "gemm"), ("argmax", "sampler"), ("softmax", "sampler"),
-                       ("sort", "sampler"), ("index", "index/copy"), ("copy", "index/copy"),
-                       ("triton", "triton-other")):
+                       ("sort", "sampler"), ("triton", "fused elementwise (norms, RoPE, KV store, sums)"),
+                       ("index", "index/copy"), ("copy", "index/copy")):
         if key in lowered:
             return label
     return "elementwise/other"

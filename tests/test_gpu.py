@@ -119,3 +119,26 @@ def test_merged_refresh_keeps_base_bit_identical():
                     p.add_(1e-4)
         assert merged.refresh() > 0
     assert all(torch.equal(p, base[n]) for n, p in pm.named_parameters() if "base_layer" in n)
+
+
+def test_deleting_the_engine_frees_its_memory():
+    """`del llm` returns the KV cache and graph pools without waiting for a gc pass: a script
+    that builds engines one after another (benchmarks, sweeps) must not run out of memory."""
+    import gc
+
+    model = random_model("qwen3-0.6b", torch.bfloat16, "cuda", 2048)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    llm = LLM(model, max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.2)
+    llm.generate([{"prompt_token_ids": list(range(3, 40))}] * 4, SamplingParams(max_tokens=8),
+                 use_tqdm=False)  # captures a graph
+    cache_bytes = llm.llm_engine.cache_bytes
+    assert torch.cuda.memory_allocated() - before >= cache_bytes
+    gc.disable()
+    try:
+        del llm
+        torch.cuda.synchronize()
+        left = torch.cuda.memory_allocated() - before
+    finally:
+        gc.enable()
+    assert left < 0.05 * cache_bytes, (left, cache_bytes)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 
@@ -37,7 +38,9 @@ class DecodeGraphs:
              ("min_p", torch.float32))
 
     def __init__(self, runner, max_num_seqs: int) -> None:
-        self.runner = runner
+        # The runner owns these graphs; a weak reference back keeps the pair out of a cycle, so
+        # `del llm` frees the KV cache and graph pools at once instead of at the next gc pass.
+        self.runner = weakref.proxy(runner)
         self.buckets = batch_buckets(max_num_seqs)
         self.vocab = runner.forward.spec().vocab_size
         self._num_int = sum(dtype == torch.long for _, dtype in self._VARS)
