@@ -119,8 +119,12 @@ def _patch_trl() -> None:
     except (RuntimeError, ImportError) as err:
         logger.warning("GRPOTrainer rollouts will not run on flexrollout: %s", err)
         return
+    import trl
+
+    # Unsloth rebinds all three names to its patched class; cover any that still differ.
     grpo = importlib.import_module("trl.trainer.grpo_trainer")
-    wrap_trainer_init(grpo.GRPOTrainer)
+    for cls in {grpo.GRPOTrainer, trl.trainer.GRPOTrainer, trl.GRPOTrainer}:
+        wrap_trainer_init(cls)
 
 
 # -- from_pretrained -------------------------------------------------------------------------
