@@ -5,6 +5,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .kernels.small_linear import MAX_ROWS as GEMV_MAX_ROWS
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -62,9 +64,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "small_batch_max_rows"):
             _check_positive_int(name, getattr(self, name))
-        if self.small_batch_max_rows > 32:
-            raise ValueError("small_batch_max_rows must be <= 32 (the GEMV kernel's largest row tile), "
-                             f"got {self.small_batch_max_rows}")
+        if self.small_batch_max_rows > GEMV_MAX_ROWS:
+            raise ValueError(f"small_batch_max_rows must be <= {GEMV_MAX_ROWS} (the GEMV kernel's "
+                             f"largest row tile), got {self.small_batch_max_rows}")
         for name in ("max_model_len", "max_num_batched_tokens", "page_size", "num_kv_pages"):
             value = getattr(self, name)
             if value is not None:

@@ -162,3 +162,10 @@ def test_bad_flex_kernel_options(tiny_llama, options, error):
     model, tok = tiny_llama()
     with pytest.raises(error, match="flex_kernel_options"):
         LLM(model, tokenizer=tok, max_model_len=64, flex_kernel_options=options)
+
+
+@pytest.mark.parametrize("rows, error", [(33, ValueError), (0, ValueError), (8.0, TypeError)])
+def test_bad_small_batch_max_rows(tiny_llama, rows, error):
+    model, tok = tiny_llama()
+    with pytest.raises(error, match="small_batch_max_rows"):
+        LLM(model, tokenizer=tok, max_model_len=64, small_batch_max_rows=rows)

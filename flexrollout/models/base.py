@@ -65,16 +65,17 @@ def rope_tables(inv_freq: torch.Tensor, scaling: float, max_len: int, dtype: tor
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
-def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+def linear(x: torch.Tensor, module: torch.nn.Module, small_rows: int = 0) -> torch.Tensor:
     """`module(x)` computed from its parameters, reading through a PEFT LoRA wrapper live.
 
     A LoRA layer's output is `W x + b + sum_adapters scaling * B(A x)`, taken from PEFT's own
-    tensors so an optimizer step is visible at the next call.
+    tensors so an optimizer step is visible at the next call. Batches of up to `small_rows` rows
+    project the (base) weight with the GEMV kernel; 0 keeps them on F.linear.
     """
     base = getattr(module, "base_layer", None)
     if base is None:
-        return project(x, module.weight, module.bias)
-    out = project(x, base.weight, base.bias)
+        return project(x, module.weight, module.bias, small_rows)
+    out = project(x, base.weight, base.bias, small_rows)
     if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
         return out
     for name in module.active_adapters:

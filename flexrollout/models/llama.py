@@ -144,10 +144,7 @@ class LlamaForward:
         return module.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.hf.lm_head
-        if not hasattr(head, "base_layer") and gemv.supported(hidden, head.weight, self.small_rows):
-            return gemv.project(hidden, head.weight, head.bias, self.small_rows).float()
-        return linear(hidden, head).float()
+        return linear(hidden, self.hf.lm_head, self.small_rows).float()
 
     def _kernel_shapes_ok(self) -> bool:
         """The GEMV kernel needs every projection on CUDA, contiguous, K a multiple of its block."""
@@ -165,7 +162,7 @@ class LlamaForward:
         attn, mlp = layer.self_attn, layer.mlp
 
         def proj(x, module, name):
-            out = linear(x, module)
+            out = linear(x, module, self.small_rows)
             return out if meta.lora is None else meta.lora.add(index, name, x, out)
 
         x = rms_norm(hidden, layer.input_layernorm.weight, self.eps)
