@@ -41,6 +41,7 @@ import logging
 import os
 import sys
 
+from ..config import _check_positive_int
 from ..lora import helpers as lora_helpers
 from ..lora_request import LoRARequest
 from .unsloth_sizing import LazyEngine, grpo_batch_size
@@ -191,12 +192,9 @@ def engine_options(sig, given: dict, max_batch_size=None) -> dict:
 
 
 def _positive_int(name: str, value):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+    """`value` if it is None or a positive int; TypeError / ValueError naming `name` otherwise."""
+    if value is not None:
+        _check_positive_int(name, value)
     return value
 
 
