@@ -26,6 +26,11 @@ class EngineConfig:
     max_num_seqs: int = 256
     # Prompt tokens computed in one prefill step; longer prompts are prefilled in chunks.
     max_num_batched_tokens: int | None = None
+    # Rows of a prefill that go through o_proj and the MLP together. The MLP's gate/up activations
+    # are rows x intermediate_size, the largest tensors of a step (0.48 GB for an 8192-token Qwen3-4B
+    # prefill); running the row-wise half of each layer in chunks of this many rows bounds them
+    # without shrinking the attention's (or the scheduler's) prefill batch.
+    mlp_chunk_tokens: int = 2048
     # Tokens per KV page. 128 on CUDA matches flex_attention's KV block; 16 elsewhere.
     page_size: int | None = None
     # KV pages in the cache (page 0 is reserved for padding). Default: from gpu_memory_utilization
@@ -62,7 +67,7 @@ class EngineConfig:
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "small_batch_max_rows"):
+        for name in ("max_num_seqs", "small_batch_max_rows", "mlp_chunk_tokens"):
             _check_positive_int(name, getattr(self, name))
         if self.small_batch_max_rows > GEMV_MAX_ROWS:
             raise ValueError(f"small_batch_max_rows must be <= {GEMV_MAX_ROWS} (the GEMV kernel's "

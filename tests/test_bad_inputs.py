@@ -169,3 +169,10 @@ def test_bad_small_batch_max_rows(tiny_llama, rows, error):
     model, tok = tiny_llama()
     with pytest.raises(error, match="small_batch_max_rows"):
         LLM(model, tokenizer=tok, max_model_len=64, small_batch_max_rows=rows)
+
+
+@pytest.mark.parametrize("chunk, error", [(0, ValueError), (-4, ValueError), (512.0, TypeError)])
+def test_bad_mlp_chunk_tokens(tiny_llama, chunk, error):
+    model, tok = tiny_llama()
+    with pytest.raises(error, match="mlp_chunk_tokens"):
+        LLM(model, tokenizer=tok, max_model_len=64, mlp_chunk_tokens=chunk)

@@ -43,10 +43,12 @@ def _gen(llm, prompts=PROMPTS, **kw) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_peft_model_parity_and_live_update(arch):
+@pytest.mark.parametrize("arch,mlp_chunk", [("llama", 2048), ("qwen3", 2048), ("llama", 7)])
+def test_peft_model_parity_and_live_update(arch, mlp_chunk):
+    """mlp_chunk 7: the 48-token packed prefill runs o_proj + MLP in 7 chunks, the last partial."""
     pm, tok = _peft(arch)
-    llm = LLM(pm, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32)
+    llm = LLM(pm, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32,
+              mlp_chunk_tokens=mlp_chunk)
     assert llm.llm_engine.vllm_config.lora_config is not None
     base_tokens = None
     with pm.disable_adapter():

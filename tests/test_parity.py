@@ -238,6 +238,18 @@ def test_tiny_variant_parity(tiny_model, hf_greedy):
         assert comp.text == tok.decode(ref.tokens, skip_special_tokens=True)
 
 
+def test_tiny_prefill_mlp_in_row_chunks_matches_hf(tiny_llama, hf_greedy):
+    """mlp_chunk_tokens=5: every prefill's o_proj + MLP runs in 5-row chunks (the last one partial)."""
+    model, tok = tiny_llama(attention_bias=True)
+    prompts = _tiny_prompts(seed=9)
+    refs = [hf_greedy(model, p, TINY_MAX_TOKENS) for p in prompts]
+    llm = _tiny_llm(model, tok, mlp_chunk_tokens=5)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=TINY_MAX_TOKENS, ignore_eos=True), use_tqdm=False
+    )
+    assert [list(o.outputs[0].token_ids) for o in outs] == [ref.tokens for ref in refs]
+
+
 def test_tiny_engine_leaves_model_untouched(tiny_model, model_fingerprint):
     model, tok = tiny_model
     probe_ids = _tiny_prompts(seed=5, lengths=(9,))[0]

@@ -93,7 +93,8 @@ class LLMEngine:
         self.pages = PageTable(num_pages, self.page_size, config.max_num_seqs, max_pages_per_seq, device)
         self.scheduler = Scheduler(self.pages, config.max_num_seqs, self.max_batched_tokens)
         forward.prepare(max_model_len, compile_layers=device.type == "cuda" and config.compile_layers,
-                        small_rows=config.small_batch_max_rows if config.small_batch_kernels else 0)
+                        small_rows=config.small_batch_max_rows if config.small_batch_kernels else 0,
+                        mlp_chunk=config.mlp_chunk_tokens)
         backend = config.attention_backend
         if backend == "auto":
             backend = "flex" if device.type == "cuda" else "reference"

@@ -65,6 +65,21 @@ def rope_tables(inv_freq: torch.Tensor, scaling: float, max_len: int, dtype: tor
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
+def in_row_chunks(fn, chunk: int, x: torch.Tensor, residual: torch.Tensor, *args) -> torch.Tensor:
+    """`fn(x, residual, *args)`, `chunk` rows at a time, for a row-wise `fn` (an output row reads
+    only the same row of `x` and `residual`). Each chunk's result is written over those rows of
+    `residual`, so the activations inside `fn` peak at `chunk` rows' worth, not the prefill's. The
+    caller must own `residual` and not read it again.
+    """
+    rows = x.shape[0]
+    if rows <= chunk:
+        return fn(x, residual, *args)
+    for start in range(0, rows, chunk):
+        stop = start + chunk
+        residual[start:stop] = fn(x[start:stop], residual[start:stop], *args)
+    return residual
+
+
 def linear(x: torch.Tensor, module: torch.nn.Module, small_rows: int = 0) -> torch.Tensor:
     """`module(x)` computed from its parameters, reading through a PEFT LoRA wrapper live.
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ..attention.flex import AttentionMetadata, paged_attention
 from ..kernels import small_linear as gemv
 from ..kernels.small_linear import small_linear
-from .base import LayerSpec, ModelSpec, apply_rope, linear, rms_norm, rope_tables
+from .base import LayerSpec, ModelSpec, apply_rope, in_row_chunks, linear, rms_norm, rope_tables
 
 if TYPE_CHECKING:
     from ..attention.kv_cache import KVCache
@@ -90,6 +90,7 @@ class LlamaForward:
         self._qkv, self._out = qkv_rope, out_mlp
         self.merged = None        # a MergedLora in lora_mode="merged"
         self.small_rows = 0  # set by prepare(): batches up to this many rows use the GEMV kernels
+        self.mlp_chunk = 2048  # set by prepare(): rows per o_proj + MLP call in a long prefill
 
     def spec(self) -> ModelSpec:
         layer = LayerSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
@@ -100,8 +101,10 @@ class LlamaForward:
             max_position_embeddings=self.config.max_position_embeddings,
         )
 
-    def prepare(self, max_len: int, compile_layers: bool, small_rows: int = 0) -> None:
+    def prepare(self, max_len: int, compile_layers: bool, small_rows: int = 0,
+                mlp_chunk: int = 2048) -> None:
         """Build the cos/sin tables from the model's own inv_freq buffer (its rope scaling)."""
+        self.mlp_chunk = mlp_chunk
         rotary = self.body.rotary_emb
         rope_type = getattr(rotary, "rope_type", "default")
         if rope_type not in _STATIC_ROPE_TYPES:
@@ -133,9 +136,9 @@ class LlamaForward:
                 cache.k[index], cache.v[index], meta.slot_mapping,
                 self.eps, self.num_heads, self.num_kv_heads, self.head_dim, small)
             out = paged_attention(q, cache.k[index], cache.v[index], meta, self.scale, self.window)
-            hidden = self._out(out, hidden, w(attn.o_proj), b(attn.o_proj),
-                               layer.post_attention_layernorm.weight, w(mlp.gate_proj),
-                               w(mlp.up_proj), w(mlp.down_proj), self.eps, small)
+            hidden = in_row_chunks(self._out, self.mlp_chunk, out, hidden, w(attn.o_proj),
+                                   b(attn.o_proj), layer.post_attention_layernorm.weight,
+                                   w(mlp.gate_proj), w(mlp.up_proj), w(mlp.down_proj), self.eps, small)
         return rms_norm(hidden, self.body.norm.weight, self.eps)
 
     def _weight(self, module: torch.nn.Module) -> torch.Tensor:
@@ -159,27 +162,33 @@ class LlamaForward:
     def _lora_layer(self, index, layer, hidden, cos, sin, meta, cache) -> torch.Tensor:
         """The same layer math through `linear`, which reads PEFT LoRA wrappers live, plus the
         deltas of adapters named by LoRARequest for the rows that asked for them."""
-        attn, mlp = layer.self_attn, layer.mlp
-
-        def proj(x, module, name):
-            out = linear(x, module, self.small_rows)
-            return out if meta.lora is None else meta.lora.add(index, name, x, out)
-
+        attn = layer.self_attn
         x = rms_norm(hidden, layer.input_layernorm.weight, self.eps)
         tokens = x.shape[0]
-        q = proj(x, attn.q_proj, "q_proj").view(tokens, self.num_heads, self.head_dim)
-        k = proj(x, attn.k_proj, "k_proj").view(tokens, self.num_kv_heads, self.head_dim)
-        v = proj(x, attn.v_proj, "v_proj").view(tokens, self.num_kv_heads, self.head_dim)
+        q = self._proj(x, attn.q_proj, index, "q_proj", meta).view(tokens, self.num_heads, self.head_dim)
+        k = self._proj(x, attn.k_proj, index, "k_proj", meta).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self._proj(x, attn.v_proj, index, "v_proj", meta).view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = rms_norm(q, attn.q_norm.weight, self.eps)
             k = rms_norm(k, attn.k_norm.weight, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(index, k, v, meta.slot_mapping)
         out = paged_attention(q, cache.k[index], cache.v[index], meta, self.scale, self.window)
-        hidden = hidden + proj(out, attn.o_proj, "o_proj")
+        # LoRARequest deltas index rows of the whole batch, so those steps run unchunked.
+        chunk = self.mlp_chunk if meta.lora is None else tokens
+        return in_row_chunks(self._lora_out_mlp, chunk, out, hidden, layer, index, meta)
+
+    def _lora_out_mlp(self, out, residual, layer, index, meta) -> torch.Tensor:
+        attn, mlp = layer.self_attn, layer.mlp
+        hidden = residual + self._proj(out, attn.o_proj, index, "o_proj", meta)
         h = rms_norm(hidden, layer.post_attention_layernorm.weight, self.eps)
-        act = F.silu(proj(h, mlp.gate_proj, "gate_proj")) * proj(h, mlp.up_proj, "up_proj")
-        return hidden + proj(act, mlp.down_proj, "down_proj")
+        act = (F.silu(self._proj(h, mlp.gate_proj, index, "gate_proj", meta))
+               * self._proj(h, mlp.up_proj, index, "up_proj", meta))
+        return hidden + self._proj(act, mlp.down_proj, index, "down_proj", meta)
+
+    def _proj(self, x, module, index, name, meta) -> torch.Tensor:
+        out = linear(x, module, self.small_rows)
+        return out if meta.lora is None else meta.lora.add(index, name, x, out)
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """(out, in) of each adaptable projection, for validating LoRA adapters."""
