@@ -34,6 +34,19 @@ def test_fp32_greedy_matches_hf_with_graphs(preset):
         assert out.outputs[0].token_ids == _hf_greedy(model, prompt, 24)
 
 
+def test_rope_buffer_on_cpu_matches_hf():
+    """Unsloth's rotary embedding keeps inv_freq on the CPU while the weights are on the GPU."""
+    model = random_model("qwen3-0.6b", torch.float32, "cuda", 2048)
+    rotary = model.model.rotary_emb
+    rotary.inv_freq = rotary.inv_freq.cpu()
+    prompts = _prompts(model.config.vocab_size, lengths=(9, 140), seed=3)
+    llm = LLM(model, max_model_len=1024, max_num_seqs=4, num_kv_pages=64)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == _hf_greedy(model, prompt, 16)
+
+
 def test_graphs_match_eager():
     # fp32: in bf16, a padded graph bucket and an unpadded eager batch pick different GEMM
     # kernels, and sampled sequences drift apart legitimately after a few tokens.
@@ -142,3 +155,39 @@ def test_deleting_the_engine_frees_its_memory():
     finally:
         gc.enable()
     assert left < 0.05 * cache_bytes, (left, cache_bytes)
+
+
+def _sampling_tensors(batch: int, device: str):
+    from flexrollout.engine.sampler import SamplingTensors
+
+    return SamplingTensors(
+        temperature=torch.ones(batch, device=device), top_k=torch.full((batch,), 10**6, device=device),
+        top_p=torch.ones(batch, device=device), min_p=torch.zeros(batch, device=device),
+        seeds=torch.arange(batch, device=device) * 7919, counters=torch.full((batch,), 300, device=device),
+        bias=None, penalties=None, need_truncation=False, all_greedy=False, max_logprobs=0)
+
+
+def test_fused_sampler_matches_eager_and_stays_small():
+    """The compiled draw / logprob path picks the eager path's tokens (the noise is an integer hash)
+    and allocates less than three (B, V) fp32 tensors beyond its input at GRPO's batch 64."""
+    from flexrollout.engine import sampler
+
+    batch, vocab = 64, 151936
+    logits = torch.randn(batch, vocab, device="cuda") * 3
+    st = _sampling_tensors(batch, "cuda")
+    fused = sampler.sample(logits, st)                     # compiles on the first call
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fused = sampler.sample(logits, st)
+    torch.cuda.synchronize()
+    transient = torch.cuda.max_memory_allocated() - base
+    greedy = st.temperature == 0
+    tokens = sampler.draw(logits, logits, greedy, st.seeds, st.counters)
+    lp, ranks, _ = sampler.token_logprob_rank(logits, tokens)
+    assert torch.equal(fused.token_ids, tokens)
+    assert torch.equal(fused.ranks, ranks)
+    assert torch.allclose(fused.logprobs, logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1),
+                          atol=1e-4)
+    assert torch.allclose(fused.logprobs, lp, atol=1e-5)
+    assert transient < 3 * batch * vocab * 4, transient

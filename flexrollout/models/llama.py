@@ -103,13 +103,15 @@ class LlamaForward:
 
     def prepare(self, max_len: int, compile_layers: bool, small_rows: int = 0,
                 mlp_chunk: int = 2048) -> None:
-        """Build the cos/sin tables from the model's own inv_freq buffer (its rope scaling)."""
+        """Build the cos/sin tables from the model's own inv_freq buffer (its rope scaling), on the
+        weights' device: Unsloth's rotary embedding keeps inv_freq on the CPU."""
         self.mlp_chunk = mlp_chunk
         rotary = self.body.rotary_emb
         rope_type = getattr(rotary, "rope_type", "default")
         if rope_type not in _STATIC_ROPE_TYPES:
             raise NotImplementedError(f"rope_type {rope_type!r} is not supported yet")
-        self._rope_cache = rope_tables(rotary.inv_freq, float(rotary.attention_scaling),
+        inv_freq = rotary.inv_freq.to(self.body.embed_tokens.weight.device)
+        self._rope_cache = rope_tables(inv_freq, float(getattr(rotary, "attention_scaling", 1.0)),
                                        max_len, self.dtype)
         self.small_rows = min(small_rows, gemv.MAX_ROWS) if self._kernel_shapes_ok() else 0
         if compile_layers:
