@@ -6,6 +6,9 @@
 #          Llama-3.2-3B decode + prefill
 #   lora : LoRA-mode costs (live vs merged, r=16/64), decode-only profiles at batch 1 and 64
 #   trl  : the TRL GPU test and the GRPO step-time comparison (needs the trl wheels installed)
+#   memory : engine memory beyond weights + KV: prefill MLP chunks of 2048 vs 8192 rows, and the
+#            GRPO workload over a PEFT LoRA r=32 model
+#   unsloth : benchmarks/unsloth_grpo.py (carry .whl-unsloth: unsloth wheels plus self/flexrollout*.whl)
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
 mkdir -p "$out"
@@ -39,5 +42,25 @@ trl)
   timeout 200 python3 -m pytest -q tests/test_trl.py -m gpu 2>&1 | filter | tail -4 > "$out/tests.txt"
   for mode in flex hf; do timeout 150 python3 benchmarks/trl_grpo.py $mode 2>&1 | tail -1; done > "$out/trl.txt"
   names="gpu tests trl" ;;
+memory)
+  for variant in '{}' '{"mlp_chunk_tokens": 8192}'; do
+    echo "== $variant"
+    bench 110 --preset qwen3-4b --batch-sizes 64 --workload decode,prefill --engine-args "$variant" | tail -3
+  done > "$out/memory.txt"
+  names="gpu memory lora32" ;&
+lora32)
+  bench 150 --preset qwen3-4b --workload grpo --lora-rank 32 --json "$out/grpo-lora32.json" \
+    | tail -2 > "$out/lora32.txt"
+  names=${names:-"gpu lora32"} ;;
+unsloth)
+  # The wheel installs flexrollout-unsloth.pth (the activation hook) where python3 reads .pth files.
+  pip() { python3 -m pip install -q --no-index --no-deps --no-cache-dir "$@"; }
+  pip --no-compile --upgrade --target /tmp/site .whl-unsloth/*.whl
+  pip .whl-unsloth/self/flexrollout-*.whl || pip --break-system-packages .whl-unsloth/self/flexrollout-*.whl
+  PYTHONPATH=$PYTHONPATH:/tmp/site UNSLOTH_FAST_INFERENCE=1 timeout "${UNSLOTH_TIMEOUT:-330}" \
+    python3 benchmarks/unsloth_grpo.py --steps 2 > "$out/unsloth.log" 2>&1
+  echo "rc=$?" >> "$out/unsloth.log"
+  { grep '^{' "$out/unsloth.log" || filter < "$out/unsloth.log" | tail -40; } > "$out/unsloth.txt"
+  names="gpu unsloth" ;;
 esac
 for f in $names; do echo "== $f"; cat "$out/$f.txt"; done

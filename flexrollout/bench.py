@@ -159,6 +159,7 @@ def bench(args) -> dict:
     max_seqs = max(batch_sizes + ([64] if "grpo" in args.workload else []))
     engine_args = json.loads(args.engine_args) if args.engine_args else {}
     result["engine_args"] = engine_args
+    _peak_bytes(device)  # the engine's peak starts here: not the bandwidth probe's or model init's
     t1 = time.perf_counter()
     llm = LLM(model, tokenizer=None, max_model_len=model_len, max_num_seqs=max_seqs,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
@@ -228,6 +229,10 @@ def bench(args) -> dict:
         overhead = peak - weights - llm.llm_engine.cache_bytes
         result["overhead_GB"] = overhead / 1e9
         result["overhead_pct_of_weights"] = 100 * overhead / weights
+        # Of that overhead, what stays allocated between steps (graph pools, rope tables, static
+        # buffers); the rest is one step's transient activations.
+        resident = torch.cuda.memory_allocated() - weights - llm.llm_engine.cache_bytes
+        result["resident_overhead_GB"] = resident / 1e9
     return result
 
 
