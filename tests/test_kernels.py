@@ -96,3 +96,28 @@ def test_kernel_on_cuda(m):
         act = sl.small_linear(x, gate, up, silu_mul=True)[0].double()
         ref = torch.nn.functional.silu(x.double() @ gate.double().T) * (x.double() @ up.double().T)
         assert ((act - ref).norm() / ref.norm()).item() < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("enabled", [True, False])
+def test_small_batch_kernels_flag_reaches_every_projection(enabled):
+    """With the flag off no projection (layers, LM head) launches the GEMV; with it on, every one
+    of a decode step's 4 per-layer launches and the LM head's does (so the count can fail both ways)."""
+    from flexrollout import LLM, SamplingParams
+    from flexrollout.bench import random_model
+
+    model = random_model("qwen3-0.6b", torch.bfloat16, "cuda", 1024)
+    llm = LLM(model, max_model_len=512, max_num_seqs=4, num_kv_pages=32, enforce_eager=True,
+              small_batch_kernels=enabled)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)             # compile first
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        llm.generate([[8, 9, 10, 11]], params, use_tqdm=False)
+        torch.cuda.synchronize()
+    launches = sum(e.count for e in prof.key_averages() if "small_linear_kernel" in e.key)
+    decode_steps, layers = 3, model.config.num_hidden_layers
+    if enabled:
+        assert launches >= decode_steps * (4 * layers + 1), launches
+    else:
+        assert launches == 0, launches

@@ -94,9 +94,13 @@ class PageTable:
         """Apply this step's page-table changes to the device mirror in one transfer."""
         if not self._pending:
             return
-        slots, logicals, pages = (torch.tensor(x, dtype=torch.long) for x in zip(*self._pending))
+        changes = torch.tensor(list(zip(*self._pending)), dtype=torch.long)   # (3, n)
         device = self.table.device
-        slots, logicals, pages = slots.to(device), logicals.to(device), pages.to(device)
+        if device.type == "cuda":
+            # Pinned + non_blocking: the copy queues behind the running step instead of waiting
+            # for it (the host allocator keeps the pinned buffer until the copy is done).
+            changes = changes.pin_memory().to(device, non_blocking=True)
+        slots, logicals, pages = changes
         self.table.index_put_((slots, logicals), pages.to(torch.int32))
         self.page_logical.index_put_((pages,), logicals.to(torch.int32))
         self._pending.clear()
