@@ -82,7 +82,13 @@ def timed_generate(model, texts, max_tokens: int) -> dict:
 
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True,
                             seed=0)
-    model.fast_generate(texts[:2], SamplingParams(max_tokens=4), use_tqdm=False)   # build + warm
+    # Warm at the same batch (builds the engine, compiles, captures this batch's graph bucket),
+    # so the timed call is steady-state decode, as `flexrollout bench` measures it.
+    warm = time.perf_counter()
+    model.fast_generate(texts, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=0),
+                        use_tqdm=False)
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - warm
     torch.cuda.synchronize()
     start = time.perf_counter()
     outs = model.fast_generate(texts, params, use_tqdm=False)
@@ -90,7 +96,7 @@ def timed_generate(model, texts, max_tokens: int) -> dict:
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"batch": len(texts), "tokens": tokens, "s": round(elapsed, 3),
-            "tok_s": round(tokens / elapsed, 1)}
+            "tok_s": round(tokens / elapsed, 1), "warm_s": round(warm_s, 2)}
 
 
 def lora_b_norm(model) -> float:

@@ -98,7 +98,12 @@ def linear(x: torch.Tensor, module: torch.nn.Module, small_rows: int = 0) -> tor
             continue
         if module.use_dora.get(name, False):
             raise NotImplementedError("DoRA adapters (use_dora=True) are not supported yet")
-        lora_a, lora_b = module.lora_A[name], module.lora_B[name]
-        delta = F.linear(F.linear(x.to(lora_a.weight.dtype), lora_a.weight), lora_b.weight)
-        out = out + (delta * module.scaling[name]).to(out.dtype)
+        lora_a, lora_b = module.lora_A[name].weight, module.lora_B[name].weight
+        low_rank = F.linear(x.to(lora_a.dtype), lora_a)
+        if lora_b.dtype == out.dtype and out.dim() == 2:
+            # In place into `out` (ours, just computed): no (tokens, out) delta temporaries, which
+            # were the largest allocations of a LoRA prefill.
+            out.addmm_(low_rank.to(lora_b.dtype), lora_b.T, alpha=module.scaling[name])
+        else:
+            out = out + (F.linear(low_rank, lora_b) * module.scaling[name]).to(out.dtype)
     return out

@@ -184,8 +184,9 @@ class LlamaForward:
         attn, mlp = layer.self_attn, layer.mlp
         hidden = residual + self._proj(out, attn.o_proj, index, "o_proj", meta)
         h = rms_norm(hidden, layer.post_attention_layernorm.weight, self.eps)
-        act = (F.silu(self._proj(h, mlp.gate_proj, index, "gate_proj", meta))
-               * self._proj(h, mlp.up_proj, index, "up_proj", meta))
+        # In place: the gate output is ours, and this eager path has no compiler to reuse buffers.
+        act = F.silu(self._proj(h, mlp.gate_proj, index, "gate_proj", meta), inplace=True)
+        act.mul_(self._proj(h, mlp.up_proj, index, "up_proj", meta))
         return hidden + self._proj(act, mlp.down_proj, index, "down_proj", meta)
 
     def _proj(self, x, module, index, name, meta) -> torch.Tensor:
