@@ -59,6 +59,9 @@ class DecodeGraphs:
             for i, (name, dtype) in enumerate(self._VARS)}
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, SamplerOutput]] = {}
         self.pool = None
+        # One side stream for every capture: each new stream gets its own cuBLAS workspace from
+        # the caching allocator, kept for the life of the process.
+        self.capture_stream = torch.cuda.Stream(device=runner.device)
         self.capture_seconds = 0.0
 
     def reset(self) -> None:
@@ -111,7 +114,7 @@ class DecodeGraphs:
 
     def _capture(self, bucket: int, mode: tuple) -> tuple[torch.cuda.CUDAGraph, SamplerOutput]:
         start = time.perf_counter()
-        stream = torch.cuda.Stream()
+        stream = self.capture_stream
         stream.wait_stream(torch.cuda.current_stream())
         # Warm-up steps scatter their ids into slot_tokens; the real step (the first replay)
         # must still read the pending ids of the previous step, so each warm-up is undone.
