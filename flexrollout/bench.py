@@ -160,6 +160,10 @@ def bench(args) -> dict:
     engine_args = json.loads(args.engine_args) if args.engine_args else {}
     result["engine_args"] = engine_args
     _peak_bytes(device)  # the engine's peak starts here: not the bandwidth probe's or model init's
+    if args.memory_snapshot and device == "cuda":
+        # Every allocation from here on, with its Python stack: benchmarks/memory_peak.py names
+        # what is live at the peak.
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000)
     t1 = time.perf_counter()
     llm = LLM(model, tokenizer=None, max_model_len=model_len, max_num_seqs=max_seqs,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
@@ -233,6 +237,9 @@ def bench(args) -> dict:
         # buffers); the rest is one step's transient activations.
         resident = torch.cuda.memory_allocated() - weights - llm.llm_engine.cache_bytes
         result["resident_overhead_GB"] = resident / 1e9
+        if args.memory_snapshot:
+            torch.cuda.memory._dump_snapshot(args.memory_snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None)
     return result
 
 
@@ -307,5 +314,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--engine-args", default=None,
                    help='EngineConfig fields as JSON, e.g. \'{"small_batch_kernels": false}\'')
     p.add_argument("--json", default=None)
+    p.add_argument("--memory-snapshot", default=None, metavar="PATH",
+                   help="CUDA: write torch's allocation history (a pickle) for benchmarks/memory_peak.py")
     p.add_argument("--plot", default=None, help="PNG of tok/s against batch size")
     p.set_defaults(func=_main)
