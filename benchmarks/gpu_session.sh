@@ -8,7 +8,7 @@
 #   trl  : the TRL GPU test and the GRPO step-time comparison (needs the trl wheels installed)
 #   memory : engine memory beyond weights + KV: prefill MLP chunks of 2048 vs 8192 rows, and the
 #            GRPO workload over a PEFT LoRA r=32 model
-#   unsloth : benchmarks/unsloth_grpo.py (carry .whl-unsloth: unsloth wheels plus self/flexrollout*.whl)
+#   unsloth : benchmarks/unsloth_grpo.py (carry .whl-unsloth, made by benchmarks/unsloth_wheels.sh)
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
 mkdir -p "$out"
