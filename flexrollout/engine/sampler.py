@@ -13,6 +13,7 @@ in here needs a host sync or a data-dependent shape, so it can live inside a CUD
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -105,16 +106,12 @@ def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor):
     return chosen - lse, ranks, lse
 
 
-_FUSED: dict = {}
-
-
+@functools.cache
 def _fused(fn):
     """`fn` compiled for CUDA tensors. Inductor folds the hash noise and the comparisons into the
-    reductions, so no (B, V) int64 or bool temporaries exist: eagerly they are several hundred MB
-    at batch 64 with a 152k vocabulary, the largest transient of a step. CPU runs `fn` as is."""
-    if fn not in _FUSED:
-        _FUSED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
-    return _FUSED[fn]
+    reductions, so no (B, V) int64 or bool temporaries exist (eagerly they are several hundred MB
+    at batch 64 with a 152k vocabulary). CPU runs `fn` as is."""
+    return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
