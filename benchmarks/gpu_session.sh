@@ -15,6 +15,8 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 filter() { grep -v -e DEBUG -e "UserWarning" -e "warn_once"; }
 bench() { timeout "$1" python3 -m flexrollout.cli bench "${@:2}" 2>&1 | filter; }
+lora32() { bench 150 --preset qwen3-4b --workload grpo --lora-rank 32 --json "$out/grpo-lora32.json" \
+  | tail -2 > "$out/lora32.txt"; }
 sweep=1,2,4,8,12,16,24,32,48,64
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/gpu.txt"
 case $part in
@@ -47,16 +49,17 @@ memory)
     echo "== $variant"
     bench 110 --preset qwen3-4b --batch-sizes 64 --workload decode,prefill --engine-args "$variant" | tail -3
   done > "$out/memory.txt"
-  names="gpu memory lora32" ;&
+  lora32
+  names="gpu memory lora32" ;;
 lora32)
-  bench 150 --preset qwen3-4b --workload grpo --lora-rank 32 --json "$out/grpo-lora32.json" \
-    | tail -2 > "$out/lora32.txt"
-  names=${names:-"gpu lora32"} ;;
+  lora32
+  names="gpu lora32" ;;
 unsloth)
   # The wheel installs flexrollout-unsloth.pth (the activation hook) where python3 reads .pth files.
-  pip() { python3 -m pip install -q --no-index --no-deps --no-cache-dir "$@"; }
-  pip --no-compile --upgrade --target /tmp/site .whl-unsloth/*.whl
-  pip .whl-unsloth/self/flexrollout-*.whl || pip --break-system-packages .whl-unsloth/self/flexrollout-*.whl
+  install() { python3 -m pip install -q --no-index --no-deps --no-cache-dir "$@"; }
+  install --no-compile --upgrade --target /tmp/site .whl-unsloth/*.whl
+  install .whl-unsloth/self/flexrollout-*.whl \
+    || install --break-system-packages .whl-unsloth/self/flexrollout-*.whl
   PYTHONPATH=$PYTHONPATH:/tmp/site UNSLOTH_FAST_INFERENCE=1 timeout "${UNSLOTH_TIMEOUT:-330}" \
     python3 benchmarks/unsloth_grpo.py --steps 2 > "$out/unsloth.log" 2>&1
   echo "rc=$?" >> "$out/unsloth.log"
