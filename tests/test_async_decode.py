@@ -65,11 +65,14 @@ def _assert_logprobs_same(x, y, exact: bool) -> None:
         assert list(dx) == list(dy)                     # the same ids in the same order
         for token in dx:
             lx, ly = dx[token], dy[token]
-            assert (lx.rank, lx.decoded_token) == (ly.rank, ly.decoded_token)
+            assert lx.decoded_token == ly.decoded_token
             if exact:
-                assert lx.logprob == ly.logprob
+                assert (lx.rank, lx.logprob) == (ly.rank, ly.logprob)
             else:
                 assert lx.logprob == pytest.approx(ly.logprob, abs=LOGPROB_TOL)
+                # Batches of other sizes round differently: a neighbour within that tolerance
+                # may swap places with the token, moving its rank by one, no more.
+                assert abs(lx.rank - ly.rank) <= 1
 
 
 def _assert_same(a, b, exact_logprobs: bool = True) -> None:
