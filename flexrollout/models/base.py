@@ -99,11 +99,16 @@ def linear(x: torch.Tensor, module: torch.nn.Module, small_rows: int = 0) -> tor
         if module.use_dora.get(name, False):
             raise NotImplementedError("DoRA adapters (use_dora=True) are not supported yet")
         lora_a, lora_b = module.lora_A[name].weight, module.lora_B[name].weight
-        low_rank = F.linear(x.to(lora_a.dtype), lora_a)
-        if lora_b.dtype == out.dtype and out.dim() == 2:
-            # In place into `out` (ours, just computed): no (tokens, out) delta temporaries, which
-            # were the largest allocations of a LoRA prefill.
-            out.addmm_(low_rank.to(lora_b.dtype), lora_b.T, alpha=module.scaling[name])
+        if lora_a.dtype != x.dtype:
+            # PEFT keeps adapters in fp32 over a bf16 base (autocast_adapter_dtype). Casting the
+            # adapter (r x in, out x r) instead of the activations spares a prefill fp32 copies
+            # of (tokens, in) and (tokens, out), which made a LoRA step's peak. The GEMMs
+            # accumulate in fp32 and round once, as PEFT does; A, B and A x are rounded to bf16.
+            lora_a, lora_b = lora_a.to(x.dtype), lora_b.to(x.dtype)
+        low_rank = F.linear(x, lora_a)
+        if out.dim() == 2 and out.dtype == x.dtype:
+            # In place into `out` (ours, just computed): no (tokens, out) delta temporaries.
+            out.addmm_(low_rank, lora_b.T, alpha=module.scaling[name])
         else:
             out = out + (F.linear(low_rank, lora_b) * module.scaling[name]).to(out.dtype)
     return out
