@@ -56,6 +56,26 @@ def peak_blocks(trace: list[dict]) -> tuple[int, int, dict[int, tuple[int, str]]
     return peak, peak_at, peak_live
 
 
+def stack(frames: list[dict]) -> str:
+    """The flexrollout frames of an allocation, innermost first: which phase of a step made it."""
+    inside = [f"{_short(f['filename'])}:{f['line']} {f['name']}" for f in frames
+              if "flexrollout" in f.get("filename", "")]
+    return " < ".join(inside) or site(frames)
+
+
+def reserved_peak(trace: list[dict]) -> int:
+    """The most bytes the allocator held from the driver while recording (segment allocs minus
+    segment frees): what graph pools and cached blocks cost beyond the live tensors."""
+    total = peak = 0
+    for event in trace:
+        if event["action"] == "segment_alloc":
+            total += event["size"]
+            peak = max(peak, total)
+        elif event["action"] == "segment_free":
+            total -= event["size"]
+    return peak
+
+
 def by_site(blocks: dict[int, tuple[int, str]]) -> list[tuple[str, int, int]]:
     """(site, bytes, count), largest first."""
     sizes: dict[str, list[int]] = defaultdict(list)
@@ -76,7 +96,9 @@ def main() -> None:
             continue
         peak, at, blocks = peak_blocks(trace)
         print(f"device {device}: {len(trace)} events, peak {peak / 1e9:.3f} GB live "
-              f"(allocated while recording) at event {at}")
+              f"(allocated while recording) at event {at}; segments reserved while recording "
+              f"peak at {reserved_peak(trace) / 1e9:.3f} GB")
+        print(f"  the peak's allocation: {stack(trace[at].get('frames', []))}")
         for where, size, count in by_site(blocks)[:opts.top]:
             print(f"  {size / 1e6:10.1f} MB  {count:5d} blocks  {where}")
 

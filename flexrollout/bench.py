@@ -159,7 +159,11 @@ def bench(args) -> dict:
     max_seqs = max(batch_sizes + ([64] if "grpo" in args.workload else []))
     engine_args = json.loads(args.engine_args) if args.engine_args else {}
     result["engine_args"] = engine_args
+    if device == "cuda":
+        torch.cuda.empty_cache()  # model init's cached blocks are not the engine's reserved memory
     _peak_bytes(device)  # the engine's peak starts here: not the bandwidth probe's or model init's
+    # The trainer's model as the allocator holds it (blocks round up): the base of the overhead.
+    model_bytes = torch.cuda.memory_allocated() if device == "cuda" else weights
     if args.memory_snapshot and device == "cuda":
         # Every allocation from here on, with its Python stack: benchmarks/memory_peak.py names
         # what is live at the peak.
@@ -226,21 +230,36 @@ def bench(args) -> dict:
     result["graph_capture_s"] = graphs.capture_seconds if graphs is not None else 0.0
     if device == "cuda":
         peak = max(engine_peak, torch.cuda.max_memory_allocated())
+        cache = llm.llm_engine.cache_bytes
         result["peak_GB"] = peak / 1e9
-        result["kv_cache_GB"] = llm.llm_engine.cache_bytes / 1e9
-        # What the engine adds beyond the model's weights and its KV cache (graph pool,
-        # activations, logits; merged LoRA copies), as a fraction of the weights.
-        overhead = peak - weights - llm.llm_engine.cache_bytes
+        result["kv_cache_GB"] = cache / 1e9
+        result["model_allocated_GB"] = model_bytes / 1e9
+        # Graph pools keep their blocks reserved while idle (a replay reuses them unseen by the
+        # allocated counter), so the idle part adds to any peak outside a replay.
+        pool_idle = _graph_pool_idle_bytes()
+        result["graph_pool_idle_GB"] = pool_idle / 1e9
+        # What the engine adds beyond the model and its KV cache (graph pools, cuBLAS
+        # workspaces, activations, logits; merged LoRA copies), as a fraction of the weights.
+        overhead = peak + pool_idle - model_bytes - cache
         result["overhead_GB"] = overhead / 1e9
         result["overhead_pct_of_weights"] = 100 * overhead / weights
-        # Of that overhead, what stays allocated between steps (graph pools, rope tables, static
-        # buffers); the rest is one step's transient activations.
-        resident = torch.cuda.memory_allocated() - weights - llm.llm_engine.cache_bytes
+        # Of that overhead, what stays between steps (graph pools, workspaces, rope tables,
+        # static buffers); the rest is one step's transient activations.
+        resident = torch.cuda.memory_allocated() + pool_idle - model_bytes - cache
         result["resident_overhead_GB"] = resident / 1e9
+        # What the allocator held from the driver at most, cached free blocks included (those
+        # serve the trainer's next allocations in the same process).
+        result["reserved_overhead_GB"] = (torch.cuda.max_memory_reserved() - model_bytes - cache) / 1e9
         if args.memory_snapshot:
             torch.cuda.memory._dump_snapshot(args.memory_snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
     return result
+
+
+def _graph_pool_idle_bytes() -> int:
+    """Reserved but unallocated bytes of the CUDA graph pools (segments outside pool (0, 0))."""
+    return sum(seg["total_size"] - seg["allocated_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
 
 
 def _peak_bytes(device: str) -> int:

@@ -45,3 +45,13 @@ def test_free_requested_counts_when_a_trace_has_no_completions():
     assert peak == 10 and list(blocks) == [1]
     assert memory_peak.site([{"filename": "/opt/lib/site-packages/torch/x.py", "line": 3, "name": "g"}]) \
         == "torch/x.py:3 g"
+
+
+def test_stack_names_the_flexrollout_frames_and_reserved_counts_segments():
+    frames = [{"filename": "/t/site-packages/torch/nn/functional.py", "line": 5, "name": "silu"},
+              {"filename": "/s/flexrollout/models/base.py", "line": 80, "name": "mlp"},
+              {"filename": "/s/flexrollout/engine/runner.py", "line": 30, "name": "prefill"}]
+    assert memory_peak.stack(frames) == "models/base.py:80 mlp < engine/runner.py:30 prefill"
+    trace = [_event("segment_alloc", 0, 20), _event("segment_alloc", 20, 30),
+             _event("segment_free", 0, 20), _event("segment_alloc", 0, 10)]
+    assert memory_peak.reserved_peak(trace) == 50
