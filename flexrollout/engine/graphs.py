@@ -59,8 +59,8 @@ class DecodeGraphs:
             for i, (name, dtype) in enumerate(self._VARS)}
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, SamplerOutput]] = {}
         self.pool = None
-        # One side stream for every capture: each new stream gets its own cuBLAS workspace from
-        # the caching allocator, kept for the life of the process.
+        # One side stream for every warm-up and capture (torch.cuda.graph would otherwise take
+        # its own): each stream gets its own cuBLAS workspace, kept for the life of the process.
         self.capture_stream = torch.cuda.Stream(device=runner.device)
         self.capture_seconds = 0.0
 
@@ -125,11 +125,18 @@ class DecodeGraphs:
                 self._step(bucket, mode)
                 slot_tokens.copy_(saved)
         torch.cuda.current_stream().wait_stream(stream)
+        # cuBLAS keeps one workspace per (handle, stream) until cleared. Cleared before, the
+        # capture takes its own from the graph pool: reusing the warm-up's eager one would leave
+        # a replay's GEMM scratch in memory that a later clear (inductor's CUDA graph trees
+        # make one) hands to other tensors. Cleared after, that workspace goes back to the pool,
+        # which lives as long as the graphs, instead of outliving the engine in cuBLAS's map.
+        torch._C._cuda_clearCublasWorkspaces()
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             out = self._step(bucket, mode)
+        torch._C._cuda_clearCublasWorkspaces()
         elapsed = time.perf_counter() - start
         self.capture_seconds += elapsed
         logger.info("captured decode graph for batch %d, mode %s in %.2f s", bucket, mode, elapsed)
