@@ -21,12 +21,16 @@ from collections import defaultdict
 
 def site(frames: list[dict]) -> str:
     """The innermost flexrollout frame of an allocation, else its innermost frame."""
-    for frame in frames:
-        if "flexrollout" in frame.get("filename", ""):
-            return f"{_short(frame['filename'])}:{frame['line']} {frame['name']}"
-    if frames:
-        return f"{_short(frames[0]['filename'])}:{frames[0]['line']} {frames[0]['name']}"
-    return "<no frames>"
+    candidates = [frame for frame in frames if _ours(frame)] or frames
+    return _label(candidates[0]) if candidates else "<no frames>"
+
+
+def _ours(frame: dict) -> bool:
+    return "flexrollout" in frame.get("filename", "")
+
+
+def _label(frame: dict) -> str:
+    return f"{_short(frame['filename'])}:{frame['line']} {frame['name']}"
 
 
 def _short(path: str) -> str:
@@ -58,9 +62,7 @@ def peak_blocks(trace: list[dict]) -> tuple[int, int, dict[int, tuple[int, str]]
 
 def stack(frames: list[dict]) -> str:
     """The flexrollout frames of an allocation, innermost first: which phase of a step made it."""
-    inside = [f"{_short(f['filename'])}:{f['line']} {f['name']}" for f in frames
-              if "flexrollout" in f.get("filename", "")]
-    return " < ".join(inside) or site(frames)
+    return " < ".join(_label(frame) for frame in frames if _ours(frame)) or site(frames)
 
 
 def reserved_peak(trace: list[dict]) -> int:

@@ -60,7 +60,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, SamplerOutput]] = {}
         self.pool = None
         # One side stream for every warm-up and capture (torch.cuda.graph would otherwise take
-        # its own): each stream gets its own cuBLAS workspace, kept for the life of the process.
+        # its own): cuBLAS keeps a workspace per stream it has run on (see _capture).
         self.capture_stream = torch.cuda.Stream(device=runner.device)
         self.capture_seconds = 0.0
 
