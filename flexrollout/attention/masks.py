@@ -32,6 +32,10 @@ def decode_block_mask(rows: torch.Tensor, num_pages: torch.Tensor, q_pos: torch.
 
     rows: (B, max_pages) page table rows of the batch; num_pages: (B,) pages in use;
     q_pos: (B,) position of the token being decoded.
+
+    Without a window, every page before the last is whole and wholly visible, so it is listed
+    as a full block, which flex reads without evaluating mask_mod; only the last page is
+    partial. (mask_mod stays exact everywhere: the reference backend evaluates it on both.)
     """
     def mask_mod(b, h, q_idx, kv_idx):
         page = kv_idx // page_size
@@ -39,11 +43,18 @@ def decode_block_mask(rows: torch.Tensor, num_pages: torch.Tensor, q_pos: torch.
         logical = lp * page_size + kv_idx % page_size
         return _visible(rows[b, lp], page, logical, q_pos[b], window)
 
-    kv_indices = rows[:, None, None, :]
-    kv_num_blocks = num_pages[:, None, None].to(torch.int32)
+    num_pages = num_pages.to(torch.int32)
+    if window is not None:
+        return BlockMask.from_kv_blocks(
+            num_pages[:, None, None], rows[:, None, None, :], BLOCK_SIZE=(Q_BLOCK, page_size),
+            mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=False)
+    last = rows.gather(1, (num_pages.long() - 1).clamp(min=0)[:, None])
+    partial = torch.cat([last, rows[:, 1:]], dim=1).to(rows.dtype)
     return BlockMask.from_kv_blocks(
-        kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, page_size), mask_mod=mask_mod,
-        seq_lengths=(q_len, kv_len), compute_q_blocks=False)
+        torch.ones_like(num_pages)[:, None, None], partial[:, None, None, :],
+        full_kv_num_blocks=(num_pages - 1).clamp(min=0)[:, None, None],
+        full_kv_indices=rows[:, None, None, :], BLOCK_SIZE=(Q_BLOCK, page_size),
+        mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=False)
 
 
 def prefill_block_mask(table: torch.Tensor, q_slot: torch.Tensor, q_pos: torch.Tensor,

@@ -22,9 +22,10 @@ def dense_view(block_mask: BlockMask, decode: bool) -> tuple[torch.Tensor, torch
     page_size = block_mask.BLOCK_SIZE[1]
     offsets = torch.arange(page_size, device=kv_indices.device)
     if decode:
-        width = int(block_mask.kv_num_blocks.max())         # CPU path: a host read is free
-        pages = kv_indices[:, 0, 0, :width].long()            # (B, N)
-        listed = torch.arange(width, device=pages.device) < block_mask.kv_num_blocks[:, 0, 0, None]
+        pages, listed = _row_pages(kv_indices, block_mask.kv_num_blocks)
+        if block_mask.full_kv_indices is not None:
+            full, full_listed = _row_pages(block_mask.full_kv_indices, block_mask.full_kv_num_blocks)
+            pages, listed = torch.cat([pages, full], dim=1), torch.cat([listed, full_listed], dim=1)
         slots = (pages[..., None] * page_size + offsets).flatten(1)
         rows = torch.arange(pages.shape[0], device=slots.device)[:, None]
         mask = block_mask.mask_mod(rows, 0, 0, slots) & listed.repeat_interleave(page_size, dim=1)
@@ -34,6 +35,13 @@ def dense_view(block_mask: BlockMask, decode: bool) -> tuple[torch.Tensor, torch
     slots = (pages[:, None] * page_size + offsets).flatten()
     rows = torch.arange(block_mask.seq_lengths[0], device=slots.device)[:, None]
     return slots, block_mask.mask_mod(0, 0, rows, slots[None, :])
+
+
+def _row_pages(kv_indices: torch.Tensor, kv_num_blocks: torch.Tensor):
+    """Decode rows' listed pages (B, N) and which of them count (B, N), N = the longest list."""
+    width = max(int(kv_num_blocks.max()), 1)             # CPU path: a host read is free
+    pages = kv_indices[:, 0, 0, :width].long()
+    return pages, torch.arange(width, device=pages.device) < kv_num_blocks[:, 0, 0, None]
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,0 +1,58 @@
+"""Decode block masks built from a page table: which KV slots each row sees, and which pages
+flex may read without evaluating mask_mod (full blocks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexrollout.attention.masks import decode_block_mask
+from flexrollout.attention.reference import dense_view
+
+PAGE = 4
+
+
+def _table(positions: list[int], max_pages: int, seed: int):
+    """Random distinct physical pages (page 0 reserved) for rows decoding at `positions`."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [p // PAGE + 1 for p in positions]
+    physical = (torch.randperm(sum(counts) + 3, generator=gen)[:sum(counts)] + 1).tolist()
+    rows = torch.zeros(len(positions), max_pages, dtype=torch.int32)
+    page_logical = torch.zeros(sum(counts) + 4, dtype=torch.long)
+    for r, count in enumerate(counts):
+        pages, physical = physical[:count], physical[count:]
+        rows[r, :count] = torch.tensor(pages, dtype=torch.int32)
+        page_logical[pages] = torch.arange(count)
+    return rows, page_logical
+
+
+def _expected_slots(rows, position: int, row: int, window: int | None) -> set[int]:
+    first = 0 if window is None else max(0, position - window + 1)
+    return {int(rows[row, t // PAGE]) * PAGE + t % PAGE for t in range(first, position + 1)}
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_mask_sees_exactly_each_rows_own_positions(window):
+    positions = [0, 3, 4, 9, 15, 17]            # page starts, page ends, a row on its first page
+    rows, page_logical = _table(positions, max_pages=6, seed=len(positions))
+    pos = torch.tensor(positions)
+    kv_len = page_logical.numel() * PAGE
+    mask = decode_block_mask(rows, pos // PAGE + 1, pos, page_logical, PAGE, 1, kv_len, window)
+    slots, visible = dense_view(mask, decode=True)
+    for r, p in enumerate(positions):
+        seen = slots[r][visible[r]].tolist()
+        assert len(seen) == len(set(seen)), f"row {r} lists a slot twice"
+        assert set(seen) == _expected_slots(rows, p, r, window), r
+
+
+def test_pages_before_the_last_are_full_blocks():
+    positions = [0, 5, 11, 12]
+    rows, page_logical = _table(positions, max_pages=5, seed=1)
+    pos = torch.tensor(positions)
+    mask = decode_block_mask(rows, pos // PAGE + 1, pos, page_logical, PAGE, 1,
+                             page_logical.numel() * PAGE)
+    assert mask.full_kv_num_blocks[:, 0, 0].tolist() == [p // PAGE for p in positions]
+    assert mask.kv_num_blocks[:, 0, 0].tolist() == [1] * len(positions)
+    for r, p in enumerate(positions):
+        assert int(mask.kv_indices[r, 0, 0, 0]) == int(rows[r, p // PAGE])      # the partial page
+        full = mask.full_kv_indices[r, 0, 0, :p // PAGE].tolist()
+        assert full == rows[r, :p // PAGE].tolist()
