@@ -24,7 +24,7 @@ _CHECK = textwrap.dedent("""
     widths = {widths}
     ws = [torch.randn(n, K).to(dtype) for n in widths]
     x = torch.randn({m}, K).to(dtype)
-    out = sl.launch(x, *(ws + [None] * (3 - len(ws))), {silu}, {split})
+    out = sl.launch(x, *(ws + [None] * (3 - len(ws))), {silu}, sl.Tiling(split={split}))
     x64 = x.double()
     if {silu}:
         ref = F.silu(x64 @ ws[0].double().T) * (x64 @ ws[1].double().T)

@@ -10,12 +10,19 @@ model keeps it.
 
 `small_linear(x, w0, w1, w2, silu_mul)` returns fp32 partial sums of shape (split, M, N) with
 N = the output widths side by side; callers add them (`.sum(0)`), which torch.compile fuses
-into whatever consumes the result. It is a torch custom op, so compiled code treats it as one
-opaque kernel. Off CUDA (tests, CPU) it computes the same partials with torch.
+into whatever consumes the result. With `silu_mul` there is one partial, already in x's dtype:
+it feeds the down projection's kernel directly, with no cast kernel in between. It is a torch
+custom op, so compiled code treats it as one opaque kernel. Off CUDA (tests, CPU) it computes
+the same partials with torch.
+
+On Hopper and later the kernel is launched with programmatic dependent launch (PDL): it may
+start while the kernel before it drains, and waits (griddepcontrol.wait) before its first load,
+which hides most of a launch's latency between the small kernels of a decode step.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +30,26 @@ import torch.nn.functional as F
 # Largest batch the kernel takes (its row tile is 16 or 32); larger ones go to cuBLAS, which is
 # on par or faster from M = 64 on. The engine's threshold is EngineConfig.small_batch_max_rows.
 MAX_ROWS = 32
-BLOCK_N = 64
+# Every supported weight's input width is a multiple of this (the smallest K step used).
 BLOCK_K = 128
+BLOCK_N = 64
 # Enough programs to keep the H200's 132 SMs streaming: split K until blocks x split >= this.
 MIN_PROGRAMS = 64
 MAX_SPLIT = 8
+# Launch with programmatic dependent launch where the GPU has it (Hopper on). A module switch so
+# benchmarks can measure without it.
+PDL = True
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How one launch cuts the work: weight rows per program, K per loop step, K splits."""
+
+    block_n: int = BLOCK_N
+    block_k: int = BLOCK_K
+    split: int = 1
+    warps: int = 4
+    stages: int = 5
 
 
 def weight_supported(weight: torch.Tensor) -> bool:
@@ -54,6 +76,19 @@ def split_k(n_total: int, k: int, silu_mul: bool) -> int:
     return split
 
 
+def tiling(m: int, n_total: int, k: int, silu_mul: bool, dtype: torch.dtype) -> Tiling:
+    """The launch shape for one projection. Measured on the H200: 3 stages for wide outputs,
+    5 for the rest; fp32 tiles are twice the bytes, so 3 keeps them inside shared memory."""
+    many = -(-n_total // BLOCK_N) >= 256
+    stages = 3 if many or dtype == torch.float32 else 5
+    return Tiling(split=split_k(n_total, k, silu_mul), stages=stages)
+
+
+@functools.cache
+def _pdl_ok(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 @functools.cache
 def _kernel():
     """The Triton kernel, built on first use (so importing flexrollout never needs Triton)."""
@@ -64,7 +99,7 @@ def _kernel():
     def small_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, M, K, K_PER, N0, N1, N2,
                             BLOCKS0, BLOCKS1, stride_xm, stride_split, stride_om,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            SILU_MUL: tl.constexpr, IEEE: tl.constexpr):
+                            SILU_MUL: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         # Which matrix this program's output block belongs to, and where its columns start.
@@ -77,6 +112,9 @@ def _kernel():
         rows = row0 + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         precision: tl.constexpr = "ieee" if IEEE else "tf32"
+        if PDL:
+            # Launched early (PDL): x is the previous kernel's output; wait until it is written.
+            tl.extra.cuda.gdc_wait()
         # Weights are the A operand (BLOCK_N x BLOCK_K), the few input rows the B operand:
         # the matrix units then work on 64-row tiles however small the batch is.
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -95,7 +133,9 @@ def _kernel():
         if SILU_MUL:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         out = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + (col0 + rows)[:, None]
-        tl.store(out, acc, mask=(offs_m[None, :] < M) & (rows[:, None] < n_rows))
+        # Stored in the output's dtype: fp32 partials, or x's dtype for SiLU-mul (rounded once).
+        tl.store(out, acc.to(out_ptr.dtype.element_ty),
+                 mask=(offs_m[None, :] < M) & (rows[:, None] < n_rows))
 
     return small_linear_kernel
 
@@ -106,38 +146,44 @@ def _out_width(w0, w1, w2, silu_mul: bool) -> int:
     return sum(w.shape[0] for w in (w0, w1, w2) if w is not None)
 
 
+def _out_dtype(x: torch.Tensor, silu_mul: bool) -> torch.dtype:
+    return x.dtype if silu_mul else torch.float32
+
+
 @torch.library.custom_op("flexrollout::small_linear", mutates_args=())
 def small_linear(x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor | None = None,
                  w2: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
-    """fp32 partials (split, M, N) of x @ [w0; w1; w2]^T, or of SiLU(x w0^T) * (x w1^T)."""
+    """fp32 partials (split, M, N) of x @ [w0; w1; w2]^T, or SiLU(x w0^T) * (x w1^T) as
+    (1, M, N) in x's dtype."""
     n_total = _out_width(w0, w1, w2, silu_mul)
-    split = split_k(n_total, x.shape[1], silu_mul)
     if not x.is_cuda:
-        return _reference(x, w0, w1, w2, silu_mul, split)
-    return launch(x, w0, w1, w2, silu_mul, split)
+        return _reference(x, w0, w1, w2, silu_mul, split_k(n_total, x.shape[1], silu_mul))
+    return launch(x, w0, w1, w2, silu_mul, tiling(x.shape[0], n_total, x.shape[1], silu_mul, x.dtype))
 
 
-def launch(x, w0, w1, w2, silu_mul: bool, split: int) -> torch.Tensor:
-    """Run the Triton kernel (CUDA, or Triton's interpreter on CPU tensors in tests)."""
+def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool | None = None) -> torch.Tensor:
+    """Run the Triton kernel (CUDA, or Triton's interpreter on CPU tensors in tests).
+    `pdl`: launch with programmatic dependent launch (default: on CUDA from Hopper on)."""
     import triton
 
-    out = torch.empty(split, x.shape[0], _out_width(w0, w1, w2, silu_mul), device=x.device,
-                      dtype=torch.float32)
     m, k = x.shape
+    if k % (tile.split * tile.block_k):
+        raise ValueError(f"tiling {tile} does not divide the input width {k}")
+    out = torch.empty(tile.split, m, _out_width(w0, w1, w2, silu_mul), device=x.device,
+                      dtype=_out_dtype(x, silu_mul))
     n0 = w0.shape[0]
     n1 = 0 if w1 is None or silu_mul else w1.shape[0]
     n2 = 0 if w2 is None else w2.shape[0]
-    blocks = [triton.cdiv(n, BLOCK_N) for n in (n0, n1, n2)]
-    k_per = k // split
-    many = sum(blocks) >= 256
-    fp32 = x.dtype == torch.float32
-    _kernel()[(sum(blocks), split)](
-        x, w0, w0 if w1 is None else w1, w0 if w2 is None else w2, out, m, k, k_per, n0, n1, n2,
-        blocks[0], blocks[1], x.stride(0), out.stride(0), out.stride(1),
-        BLOCK_M=16 if m <= 16 else 32, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SILU_MUL=silu_mul, IEEE=fp32,
-        # Measured on the H200: 3 stages for wide outputs, 5 for the rest; fp32 tiles are twice
-        # the bytes, so 3 keeps them inside shared memory.
-        num_warps=4, num_stages=3 if many or fp32 else 5)
+    blocks = [triton.cdiv(n, tile.block_n) for n in (n0, n1, n2)]
+    if pdl is None:
+        pdl = PDL and x.is_cuda and _pdl_ok(x.device.index if x.device.index is not None else 0)
+    extra = {"launch_pdl": True} if pdl else {}
+    _kernel()[(sum(blocks), tile.split)](
+        x, w0, w0 if w1 is None else w1, w0 if w2 is None else w2, out, m, k, k // tile.split,
+        n0, n1, n2, blocks[0], blocks[1], x.stride(0), out.stride(0), out.stride(1),
+        BLOCK_M=16 if m <= 16 else (32 if m <= 32 else 64), BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, SILU_MUL=silu_mul, IEEE=x.dtype == torch.float32, PDL=pdl,
+        num_warps=tile.warps, num_stages=tile.stages, **extra)
     return out
 
 
@@ -145,14 +191,14 @@ def launch(x, w0, w1, w2, silu_mul: bool, split: int) -> torch.Tensor:
 def _(x, w0, w1=None, w2=None, silu_mul=False):
     n_total = _out_width(w0, w1, w2, silu_mul)
     split = split_k(n_total, x.shape[1], silu_mul)
-    return x.new_empty(split, x.shape[0], n_total, dtype=torch.float32)
+    return x.new_empty(split, x.shape[0], n_total, dtype=_out_dtype(x, silu_mul))
 
 
 def _reference(x, w0, w1, w2, silu_mul: bool, split: int) -> torch.Tensor:
-    """The kernel's contract in plain torch (fp32): the K axis cut into `split` partial sums."""
+    """The kernel's contract in plain torch (fp32 sums): the K axis cut into `split` partials."""
     x32 = x.float()
     if silu_mul:
-        return (F.silu(x32 @ w0.float().T) * (x32 @ w1.float().T))[None]
+        return (F.silu(x32 @ w0.float().T) * (x32 @ w1.float().T))[None].to(x.dtype)
     weight = torch.cat([w.float() for w in (w0, w1, w2) if w is not None])
     k_per = x.shape[1] // split
     return torch.stack([x32[:, i * k_per:(i + 1) * k_per] @ weight[:, i * k_per:(i + 1) * k_per].T
