@@ -62,8 +62,15 @@ def out_mlp(attn, residual, wo, bo, ln_w, w_gate, w_up, w_down, eps: float, smal
         return hidden + F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
     hidden = residual + _add_bias(small_linear(attn, wo).sum(0).to(attn.dtype), bo)
     h = rms_norm(hidden, ln_w, eps)
-    act = small_linear(h, w_gate, w_up, silu_mul=True)[0].to(h.dtype)
+    act = small_linear(h, w_gate, w_up, silu_mul=True)[0]
     return hidden + small_linear(act, w_down).sum(0).to(h.dtype)
+
+
+def out_mlp_qkv_rope(attn, residual, out_args: tuple, qkv_args: tuple):
+    """One layer's `out_mlp` and the next layer's `qkv_rope` as one compiled region, so the
+    MLP's residual add and the next input norm are one kernel, not two."""
+    hidden = out_mlp(attn, residual, *out_args)
+    return qkv_rope(hidden, *qkv_args), hidden
 
 
 def _add_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -87,7 +94,7 @@ class LlamaForward:
         self.qk_norm = hasattr(self.body.layers[0].self_attn, "q_norm")
         self.window = None
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._qkv, self._out = qkv_rope, out_mlp
+        self._qkv, self._out, self._out_qkv = qkv_rope, out_mlp, out_mlp_qkv_rope
         self.merged = None        # a MergedLora in lora_mode="merged"
         self.small_rows = 0  # set by prepare(): batches up to this many rows use the GEMV kernels
         self.mlp_chunk = 2048  # set by prepare(): rows per o_proj + MLP call in a long prefill
@@ -117,31 +124,53 @@ class LlamaForward:
         if compile_layers:
             self._qkv = torch.compile(qkv_rope, dynamic=True, fullgraph=True)
             self._out = torch.compile(out_mlp, dynamic=True, fullgraph=True)
+            self._out_qkv = torch.compile(out_mlp_qkv_rope, dynamic=True, fullgraph=True)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: "KVCache") -> torch.Tensor:
         """input_ids (T,) -> final hidden states (T, hidden)."""
         cos_table, sin_table = self._rope_cache
         cos, sin = cos_table[meta.positions], sin_table[meta.positions]
         hidden = F.embedding(input_ids, self.body.embed_tokens.weight).to(self.dtype)
-        small = hidden.is_cuda and hidden.shape[0] <= self.small_rows
-        for index, layer in enumerate(self.body.layers):
-            if meta.lora is not None or (self.merged is None and _has_lora(layer)):
+        tokens = hidden.shape[0]
+        small = hidden.is_cuda and tokens <= self.small_rows
+        layers = self.body.layers
+        q = None     # the current layer's queries when the previous region computed them
+        for index, layer in enumerate(layers):
+            if self._lora_path(layer, meta):
                 hidden = self._lora_layer(index, layer, hidden, cos, sin, meta, cache)
                 continue
-            attn, mlp = layer.self_attn, layer.mlp
-            w, b = self._weight, _bias
-            q = self._qkv(
-                hidden, layer.input_layernorm.weight, w(attn.q_proj), b(attn.q_proj),
-                w(attn.k_proj), b(attn.k_proj), w(attn.v_proj), b(attn.v_proj),
+            if q is None:
+                q = self._qkv(hidden, *self._qkv_args(index, cos, sin, meta, cache, small))
+            out = paged_attention(q, cache.k[index], cache.v[index], meta, self.scale, self.window)
+            out_args = self._out_args(layer, small)
+            following = layers[index + 1] if index + 1 < len(layers) else None
+            if tokens <= self.mlp_chunk and following is not None and not self._lora_path(following, meta):
+                q, hidden = self._out_qkv(out, hidden, out_args,
+                                          self._qkv_args(index + 1, cos, sin, meta, cache, small))
+            else:
+                hidden = in_row_chunks(self._out, self.mlp_chunk, out, hidden, *out_args)
+                q = None
+        return rms_norm(hidden, self.body.norm.weight, self.eps)
+
+    def _lora_path(self, layer: torch.nn.Module, meta: AttentionMetadata) -> bool:
+        """Whether a layer runs through `linear` (LoRARequest rows, or live PEFT wrappers)."""
+        return meta.lora is not None or (self.merged is None and _has_lora(layer))
+
+    def _qkv_args(self, index, cos, sin, meta, cache, small: bool) -> tuple:
+        """`qkv_rope`'s arguments after its input, for layer `index`."""
+        attn, w = self.body.layers[index].self_attn, self._weight
+        return (self.body.layers[index].input_layernorm.weight, w(attn.q_proj), _bias(attn.q_proj),
+                w(attn.k_proj), _bias(attn.k_proj), w(attn.v_proj), _bias(attn.v_proj),
                 attn.q_norm.weight if self.qk_norm else None,
                 attn.k_norm.weight if self.qk_norm else None, cos, sin,
                 cache.k[index], cache.v[index], meta.slot_mapping,
                 self.eps, self.num_heads, self.num_kv_heads, self.head_dim, small)
-            out = paged_attention(q, cache.k[index], cache.v[index], meta, self.scale, self.window)
-            hidden = in_row_chunks(self._out, self.mlp_chunk, out, hidden, w(attn.o_proj),
-                                   b(attn.o_proj), layer.post_attention_layernorm.weight,
-                                   w(mlp.gate_proj), w(mlp.up_proj), w(mlp.down_proj), self.eps, small)
-        return rms_norm(hidden, self.body.norm.weight, self.eps)
+
+    def _out_args(self, layer: torch.nn.Module, small: bool) -> tuple:
+        """`out_mlp`'s arguments after the attention output and the residual."""
+        attn, mlp, w = layer.self_attn, layer.mlp, self._weight
+        return (w(attn.o_proj), _bias(attn.o_proj), layer.post_attention_layernorm.weight,
+                w(mlp.gate_proj), w(mlp.up_proj), w(mlp.down_proj), self.eps, small)
 
     def _weight(self, module: torch.nn.Module) -> torch.Tensor:
         if self.merged is not None:
