@@ -1,9 +1,12 @@
-"""Small-M linear layers on the GPU: cuBLAS (F.linear) against Triton split-K GEMV configs.
+"""Small-M projections on the GPU: cuBLAS against flexrollout's split-K GEMV, over its tilings.
 
-Times each Qwen3-4B projection shape at M = 1, 8, 64 from CUDA-graph replays over 8 weight
-copies (so L2 holds none of them) and prints achieved GB/s of weight reads.
+Times each Qwen3-4B projection at M = 1, 8, 32, 64 from CUDA-graph replays over 8 weight copies
+(so L2 holds none of them) and prints GB/s of weight reads for cuBLAS (F.linear), for the tiling
+the engine picks today (`small_linear.tiling`), and for the best tiling found. Then, for the
+engine's tiling, a chain of 8 (elementwise kernel -> projection) pairs with and without
+programmatic dependent launch, as in a decode step where each projection follows a fused norm.
 
-    python benchmarks/gemv_sweep.py
+    python benchmarks/gemv_sweep.py [OUT.json]
 """
 from __future__ import annotations
 
@@ -13,110 +16,122 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from flexrollout.kernels import small_linear as sl
+
+# name: (output widths of the matrices read by one launch, K, SiLU-mul epilogue)
+SHAPES = {"qkv": ([4096, 1024, 1024], 2560, False), "o": ([2560], 4096, False),
+          "gate_up": ([9728, 9728], 2560, True), "down": ([2560], 9728, False),
+          "lm_head": ([151936], 2560, False)}
+ROWS = (1, 8, 32, 64)
 
 
-@triton.jit
-def _gemv(x_ptr, w_ptr, y_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_ym,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k in range(0, K_PER, BLOCK_K):
-        offs_k = pid_k * K_PER + k + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-        acc += tl.dot(w, tl.trans(x))
-    ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-    if SPLIT_K == 1:
-        tl.store(ptrs, acc, mask=mask)
-    else:
-        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
-
-
-def triton_linear(x, w, y, bn, bk, split, warps, stages):
-    M, K = x.shape
-    N = w.shape[0]
-    bm = max(16, triton.next_power_of_2(M))
-    if split > 1:
-        y.zero_()
-    grid = (triton.cdiv(N, bn), split)
-    k_per = triton.cdiv(K, split * bk) * bk
-    _gemv[grid](x, w, y, M, N, K, k_per, x.stride(0), w.stride(0), y.stride(0),
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
-
-
-def graph_time(fn, reps=20):
+def graph_seconds(fn, reps: int = 10) -> float:
+    """Median seconds of one `fn()` replayed from a CUDA graph of `reps` calls."""
     fn()
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         for _ in range(reps):
             fn()
-    g.replay()
+    graph.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return sorted(times)[2] * 1e-3
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) / reps * 1e-3)
+    return sorted(times)[2]
 
 
-SHAPES = {"gate_up": (19456, 2560), "down": (2560, 9728), "qkv": (6144, 2560), "o": (2560, 4096),
-          "kv": (1024, 2560), "lm_head": (151936, 2560)}
+def candidates(k: int, silu: bool):
+    for block_n, block_k, split, stages in itertools.product((32, 64, 128), (128, 256),
+                                                             (1, 2, 4, 8), (3, 5)):
+        if (silu and split > 1) or k % (split * block_k):
+            continue
+        yield sl.Tiling(block_n=block_n, block_k=block_k, split=split, warps=4, stages=stages)
 
 
-def main():
+def refinements(best: sl.Tiling):
+    for warps, stages in itertools.product((4, 8), (3, 4, 5)):
+        yield sl.Tiling(best.block_n, best.block_k, best.split, warps, stages)
+
+
+def main() -> None:
     torch.manual_seed(0)
-    dev = "cuda"
-    copies = 8
-    configs = list(itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 4), (4,), (3, 5)))
     results = {}
-    for name, (N, K) in SHAPES.items():
-        n_copies = 2 if name == "lm_head" else copies
-        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(n_copies)]
-        for M in (1, 8, 64):
-            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-            ref = F.linear(x.float(), ws[0].float())
-            gbytes = N * K * 2 / 1e9
+    for name, (widths, k, silu) in SHAPES.items():
+        copies = 2 if name == "lm_head" else 8
+        sets = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in widths]
+                for _ in range(copies)]
+        gbytes = sum(widths) * k * 2 / 1e9
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = torch.cat([x.float() @ w.float().T for w in sets[0]], dim=1)
+            if silu:
+                half = widths[0]
+                ref = F.silu(ref[:, :half]) * ref[:, half:]
+
+            def run(tile, pdl=None):
+                for ws in sets:
+                    sl.launch(x, *(ws + [None] * (3 - len(ws))), silu, tile, pdl)
+
             def cublas():
-                for w in ws:
-                    F.linear(x, w)
-            t = graph_time(cublas) / n_copies
-            row = {"cublas_GBs": round(gbytes / t, 0)}
-            best = (0, None)
-            y = torch.zeros(M, N, device=dev, dtype=torch.float32)
-            for cfg in configs:
-                bn, bk, split, warps, stages = cfg
-                if K % (bk * split):
-                    continue
+                for ws in sets:
+                    for w in ws:
+                        F.linear(x, w)
+
+            def measure(tile):
+                out = sl.launch(x, *(sets[0] + [None] * (3 - len(widths))), silu, tile)
+                err = ((out.float().sum(0) - ref).norm() / ref.norm()).item()
+                if not err < 2e-2:
+                    raise AssertionError(f"{name} M={m} {tile}: relative error {err}")
+                return gbytes / (graph_seconds(lambda: run(tile, pdl=False)) / copies)
+
+            row = {"cublas_GBs": round(gbytes / (graph_seconds(cublas) / copies))}
+            engine = sl.tiling(m, sum(widths) if not silu else widths[0], k, silu, x.dtype)
+            row["engine_GBs"], row["engine_tiling"] = round(measure(engine)), engine.__dict__
+            scores = {}
+            for tile in candidates(k, silu):
                 try:
-                    triton_linear(x, ws[0], y, *cfg)
-                    err = ((y - ref).norm() / ref.norm()).item()
-                    if not err < 1e-2:
-                        print("BAD", name, M, cfg, err, file=sys.stderr)
-                        continue
-                    def tri():
-                        for w in ws:
-                            triton_linear(x, w, y, *cfg)
-                    tt = graph_time(tri) / n_copies
-                except Exception as exc:    # a config that does not compile is skipped, loudly
-                    print("FAIL", name, M, cfg, type(exc).__name__, str(exc)[:200], file=sys.stderr)
-                    continue
-                if gbytes / tt > best[0]:
-                    best = (gbytes / tt, cfg)
-            row["triton_GBs"], row["triton_cfg"] = round(best[0], 0), best[1]
-            results[f"{name}_M{M}"] = row
-            print(name, M, row, flush=True)
-        del ws
-    json.dump(results, open(sys.argv[1] if len(sys.argv) > 1 else "/tmp/gemv.json", "w"), indent=1)
+                    scores[tile] = measure(tile)
+                except Exception as exc:    # a tiling that does not fit (shared memory) is skipped, loudly
+                    print("skip", name, m, tile, type(exc).__name__, str(exc)[:120], file=sys.stderr)
+            best = max(scores, key=scores.get)
+            for tile in refinements(best):
+                if tile not in scores:
+                    try:
+                        scores[tile] = measure(tile)
+                    except Exception as exc:
+                        print("skip", name, m, tile, type(exc).__name__, str(exc)[:120], file=sys.stderr)
+            best = max(scores, key=scores.get)
+            row["best_GBs"], row["best_tiling"] = round(scores[best]), best.__dict__
+            if m <= sl.MAX_ROWS:
+                try:
+                    row["chain_us_pdl_off"], row["chain_us_pdl_on"] = chain(x, sets, silu, engine)
+                except RuntimeError as exc:    # PDL under graph capture unsupported here: say so
+                    row["chain_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            results[f"{name}_M{m}"] = row
+            print(name, m, json.dumps(row), flush=True)
+        del sets
+    path = sys.argv[1] if len(sys.argv) > 1 else "/tmp/gemv.json"
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def chain(x, sets, silu: bool, tile) -> tuple[float, float]:
+    """Microseconds per (x.mul_(1) -> projection) pair, PDL off and on."""
+    per_pair = []
+    for pdl in (False, True):
+        def pairs():
+            for ws in sets:
+                x.mul_(1.0)
+                sl.launch(x, *(ws + [None] * (3 - len(ws))), silu, tile, pdl)
+        per_pair.append(round(graph_seconds(pairs) / len(sets) * 1e6, 2))
+    return per_pair[0], per_pair[1]
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
 #   trl  : the TRL GPU test and the GRPO step-time comparison (needs the trl wheels installed)
 #   memory : engine memory beyond weights + KV: prefill MLP chunks of 2048 vs 8192 rows, and the
 #            GRPO workload over a PEFT LoRA r=32 model
+#   tune : GEMV tilings and PDL (gemv_sweep), flex decode masks and options (attention_sweep),
+#          a decode profile at batch 1 (PROFILE_FLAGS=--no-pdl for the A/B)
 #   unsloth : benchmarks/unsloth_grpo.py (carry .whl-unsloth, made by benchmarks/unsloth_wheels.sh)
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
@@ -51,6 +53,13 @@ memory)
   done > "$out/memory.txt"
   lora32
   names="gpu memory lora32" ;;
+tune)
+  timeout 230 python3 benchmarks/gemv_sweep.py "$out/gemv.json" > "$out/gemv.log" 2>&1
+  grep -v '^skip' "$out/gemv.log" | cut -c1-400 > "$out/gemv.txt"
+  timeout 190 python3 benchmarks/attention_sweep.py "$out/attention.json" 2>&1 | filter > "$out/attention.txt"
+  timeout 120 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 1 ${PROFILE_FLAGS:-} 2>&1 \
+    | filter | head -24 > "$out/profile.txt"
+  names="gpu gemv attention profile" ;;
 lora32)
   lora32
   names="gpu lora32" ;;

@@ -16,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flexrollout import LLM, SamplingParams
 from flexrollout.bench import random_model
+from flexrollout.kernels import small_linear
 
 
 def _category(name: str) -> str:
@@ -29,17 +30,19 @@ def _category(name: str) -> str:
     return "elementwise/other"
 
 
-def _kernel_times(llm, prompts, params) -> dict[str, float]:
-    """GPU microseconds per kernel name for one generate call."""
+def _kernel_times(llm, prompts, params) -> tuple[dict[str, float], int]:
+    """GPU microseconds per kernel name for one generate call, and the number of launches."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
     times: dict[str, float] = defaultdict(float)
+    launches = 0
     for evt in prof.key_averages():
         cuda_us = getattr(evt, "self_device_time_total", 0) or 0
         if cuda_us > 0:
             times[evt.key] += cuda_us
-    return times
+            launches += evt.count
+    return times, launches
 
 
 def _wall(llm, prompts, params) -> float:
@@ -50,13 +53,30 @@ def _wall(llm, prompts, params) -> float:
     return time.perf_counter() - start
 
 
+def _replay_ms(llm, batch: int) -> float:
+    """One captured decode step replayed with no host work between replays: what the step
+    costs on the GPU with its launch gaps, against the wall clock above (which adds host gaps)."""
+    captured = llm.llm_engine.runner.graphs.graphs      # {(bucket, sampler mode): (graph, outputs)}
+    bucket = min(b for b, _ in captured if b >= batch)
+    graph = next(g for (b, _), (g, _) in captured.items() if b == bucket)
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / 20 * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="qwen3-4b")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--no-pdl", action="store_true", help="GEMV launches without PDL")
     args = parser.parse_args()
+    small_linear.PDL = not args.no_pdl
     model = random_model(args.preset, torch.bfloat16, "cuda", 4096)
     llm = LLM(model, max_model_len=2048, max_num_seqs=max(args.batch, 8), gpu_memory_utilization=0.5)
     prompts = [{"prompt_token_ids": list(range(10 + i, 138 + i))} for i in range(args.batch)]
@@ -65,15 +85,18 @@ def main() -> None:
     llm.generate(prompts, params, use_tqdm=False)
     steps = args.steps - 1
     wall = _wall(llm, prompts, params) - _wall(llm, prompts, prefill_only)
-    full, prefill = _kernel_times(llm, prompts, params), _kernel_times(llm, prompts, prefill_only)
+    (full, full_launches), (prefill, prefill_launches) = (
+        _kernel_times(llm, prompts, params), _kernel_times(llm, prompts, prefill_only))
     by_name = {name: us - prefill.get(name, 0.0) for name, us in full.items()}
     by_cat: dict[str, float] = defaultdict(float)
     for name, us in by_name.items():
         by_cat[_category(name)] += us
     print(f"wall per decode step: {wall / steps * 1e3:.2f} ms (batch {args.batch}, prefill excluded)")
-    print(f"GPU kernel time per decode step: {sum(by_cat.values()) / steps / 1e3:.2f} ms")
+    print(f"GPU kernel time per decode step: {sum(by_cat.values()) / steps / 1e3:.2f} ms, "
+          f"{(full_launches - prefill_launches) / steps:.0f} kernels")
     for cat, us in sorted(by_cat.items(), key=lambda x: -x[1]):
         print(f"  {cat:20s} {us / steps / 1e3:8.3f} ms/step")
+    print(f"graph replay alone, back to back: {_replay_ms(llm, args.batch):.2f} ms per step")
     print("top kernels:")
     for name, us in sorted(by_name.items(), key=lambda x: -x[1])[:15]:
         print(f"  {us / steps / 1e3:8.3f} ms/step  {name[:110]}")

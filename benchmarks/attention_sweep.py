@@ -1,0 +1,106 @@
+"""flex decode attention over the paged cache: block-mask layout and kernel options.
+
+Qwen3-4B's attention (32 query heads, 8 KV heads, head_dim 128, 128-token pages) at batch 1, 8
+and 64 with every row at the same context, run through the engine's own `paged_attention` and
+mask builder, from CUDA-graph replays over 8 layers' caches (so L2 does not hold the KV).
+Prints microseconds per layer and the KV read rate, for the engine's mask (earlier pages as
+full blocks) against the same mask with every page partial (mask_mod evaluated everywhere),
+and for several flex kernel options.
+
+    python benchmarks/attention_sweep.py [--context 256] [OUT.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexrollout.attention.flex import AttentionMetadata, paged_attention
+from flexrollout.attention.masks import Q_BLOCK, decode_block_mask
+from gemv_sweep import graph_seconds   # benchmarks/ is on sys.path when run as a script
+
+HQ, HKV, D, PAGE, LAYERS, MAX_PAGES = 32, 8, 128, 128, 8, 16
+OPTIONS = [{}, {"num_stages": 2}, {"num_stages": 3}, {"num_stages": 3, "num_warps": 4},
+           {"num_stages": 4, "num_warps": 4}, {"BLOCK_N": 128, "num_stages": 3, "num_warps": 4},
+           {"BLOCK_N": 32, "num_stages": 4, "num_warps": 2}]
+
+
+def all_partial(mask: BlockMask) -> BlockMask:
+    """The engine's mask before full blocks: every listed page partial."""
+    rows = mask.full_kv_indices[:, 0, 0]
+    num_pages = mask.full_kv_num_blocks[:, 0, 0] + 1
+    return BlockMask.from_kv_blocks(num_pages[:, None, None], rows[:, None, None, :],
+                                    BLOCK_SIZE=(Q_BLOCK, PAGE), mask_mod=mask.mask_mod,
+                                    seq_lengths=mask.seq_lengths, compute_q_blocks=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("out", nargs="?", default="/tmp/attention.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results = {}
+    for batch in (1, 8, 64):
+        pages_per_row = -(-args.context // PAGE)
+        num_pages = batch * pages_per_row + 1
+        caches = [(torch.randn(1, HKV, num_pages * PAGE, D, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(1, HKV, num_pages * PAGE, D, device="cuda", dtype=torch.bfloat16))
+                  for _ in range(LAYERS)]
+        order = torch.randperm(num_pages - 1, device="cuda").int() + 1      # page 0: padding
+        rows = torch.zeros(batch, MAX_PAGES, dtype=torch.int32, device="cuda")
+        rows[:, :pages_per_row] = order.view(batch, pages_per_row)
+        page_logical = torch.zeros(num_pages, dtype=torch.long, device="cuda")
+        page_logical[rows[:, :pages_per_row].flatten().long()] = torch.arange(
+            pages_per_row, device="cuda").repeat(batch)
+        positions = torch.full((batch,), args.context - 1, device="cuda")
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+        full = decode_block_mask(rows, positions // PAGE + 1, positions, page_logical, PAGE,
+                                 HQ // HKV, num_pages * PAGE)
+        kv_gb = batch * args.context * HKV * D * 2 * 2 / 1e9
+        variants = [("full+partial", full, o) for o in OPTIONS]
+        variants += [("all partial", all_partial(full), o) for o in OPTIONS[:3:2]]
+        for layout, mask, opts in variants:
+            meta = AttentionMetadata(positions, positions, decode=True, block_masks={None: mask},
+                                     kernel_options=dict(opts))
+
+            def layers():
+                for k, v in caches:
+                    paged_attention(q, k, v, meta, D ** -0.5)
+            try:
+                seconds = graph_seconds(layers) / LAYERS
+            except Exception as exc:   # an option set flex rejects is reported, not fatal
+                print("skip", batch, layout, opts, type(exc).__name__, str(exc)[:160], flush=True)
+                continue
+            key = f"bs{batch} {layout} {json.dumps(opts)}"
+            results[key] = {"us_per_layer": round(seconds * 1e6, 2),
+                            "kv_GBs": round(kv_gb / seconds)}
+            print(key, results[key], flush=True)
+        check(q, caches[0], rows, pages_per_row, args.context, full)
+        del caches
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def check(q, cache, rows, pages_per_row, context, mask) -> None:
+    """The full-block mask's output against dense attention over each row's own pages."""
+    k_cache, v_cache = cache
+    positions = torch.full((q.shape[0],), context - 1, device="cuda")
+    meta = AttentionMetadata(positions, positions, decode=True, block_masks={None: mask})
+    got = paged_attention(q, k_cache, v_cache, meta, D ** -0.5).float()
+    slots = (rows[:, :pages_per_row, None].long() * PAGE + torch.arange(PAGE, device="cuda")).flatten(1)
+    slots = slots[:, :context]
+    k = k_cache[0][:, slots].float()                          # (Hkv, B, L, D)
+    v = v_cache[0][:, slots].float()
+    q5 = q.float().view(q.shape[0], HKV, HQ // HKV, D)
+    scores = torch.einsum("bhgd,hbld->bhgl", q5, k) * D ** -0.5
+    ref = torch.einsum("bhgl,hbld->bhgd", scores.softmax(-1), v).reshape(q.shape[0], -1)
+    err = ((got - ref).norm() / ref.norm()).item()
+    print(f"check bs{q.shape[0]}: relative error {err:.2e}", flush=True)
+    assert err < 2e-2, err
+
+
+if __name__ == "__main__":
+    main()
