@@ -74,10 +74,12 @@ def test_reference_partials_sum_to_linear():
 
 
 def test_split_rule():
-    # Few output blocks: K is split until 64 programs stream; SiLU-mul never splits.
-    assert sl.split_k(1024, 2560, False) == 4          # 16 blocks -> 64 programs
-    assert sl.split_k(6144, 2560, False) == 1          # 96 blocks already
-    assert sl.split_k(2560, 9728, False) == 2          # 40 blocks, 9728 = 76 x 128
+    # Few output blocks: K is split until 256 programs stream, in whole 128-wide K steps;
+    # SiLU-mul never splits.
+    assert sl.split_k(2560, 4096, False) == 8          # 40 blocks -> 320 programs
+    assert sl.split_k(6144, 2560, False) == 4          # 96 blocks; 2560 = 20 x 128 stops at 4
+    assert sl.split_k(2560, 9728, False) == 4          # 9728 = 76 x 128 stops at 4
+    assert sl.split_k(151936, 2560, False) == 1        # the LM head: 2374 blocks
     assert sl.split_k(9728, 2560, True) == 1
 
 

@@ -34,7 +34,8 @@ MAX_ROWS = 32
 BLOCK_K = 128
 BLOCK_N = 64
 # Enough programs to keep the H200's 132 SMs streaming: split K until blocks x split >= this.
-MIN_PROGRAMS = 64
+# (o_proj, 40 blocks: split 8 reads 2.84 TB/s at M = 1, split 2 2.72; benchmarks/gemv_sweep.py.)
+MIN_PROGRAMS = 256
 MAX_SPLIT = 8
 # Launch with programmatic dependent launch where the GPU has it (Hopper on). A module switch so
 # benchmarks can measure without it.
@@ -77,11 +78,19 @@ def split_k(n_total: int, k: int, silu_mul: bool) -> int:
 
 
 def tiling(m: int, n_total: int, k: int, silu_mul: bool, dtype: torch.dtype) -> Tiling:
-    """The launch shape for one projection. Measured on the H200: 3 stages for wide outputs,
-    5 for the rest; fp32 tiles are twice the bytes, so 3 keeps them inside shared memory."""
+    """The launch shape for one projection, from the H200 sweep (benchmarks/gemv_sweep.py):
+    deep pipelines (5 stages) only for unsplit single-matrix loops; split or wide (LM head)
+    loops and SiLU-mul, which streams two matrices per stage, run best with 3 (gate/up at
+    M = 1: 3.76 TB/s against 3.41 with 5). fp32 tiles are twice the bytes: 3 fits them."""
+    if silu_mul:
+        # 17..32 rows of 16-bit weights: 128-row blocks and 8 warps (3.56 against 3.25 TB/s).
+        # fp32 tiles of that size overflow shared memory.
+        wide = m > 16 and dtype != torch.float32
+        return Tiling(block_n=128 if wide else BLOCK_N, warps=8 if wide else 4, stages=3)
+    split = split_k(n_total, k, silu_mul)
     many = -(-n_total // BLOCK_N) >= 256
-    stages = 3 if many or dtype == torch.float32 else 5
-    return Tiling(split=split_k(n_total, k, silu_mul), stages=stages)
+    stages = 3 if split > 1 or many or dtype == torch.float32 else 5
+    return Tiling(split=split, stages=stages)
 
 
 @functools.cache
