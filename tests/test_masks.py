@@ -54,5 +54,4 @@ def test_pages_before_the_last_are_full_blocks():
     assert mask.kv_num_blocks[:, 0, 0].tolist() == [1] * len(positions)
     for r, p in enumerate(positions):
         assert int(mask.kv_indices[r, 0, 0, 0]) == int(rows[r, p // PAGE])      # the partial page
-        full = mask.full_kv_indices[r, 0, 0, :p // PAGE].tolist()
-        assert full == rows[r, :p // PAGE].tolist()
+        assert mask.full_kv_indices[r, 0, 0, :p // PAGE].tolist() == rows[r, :p // PAGE].tolist()

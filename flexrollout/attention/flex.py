@@ -69,17 +69,25 @@ class AttentionMetadata:
 
 def decode_kernel_options(opts: dict | None, batch: int, num_kv_heads: int, max_pages: int,
                           device: torch.device) -> dict:
-    """flex's split-KV count, capped at the pages one sequence can hold.
+    """flex decode's options, where the caller's (EngineConfig.flex_kernel_options) leave them.
 
-    flex splits each row's KV into SPLIT_KV tiles, by default 2 x SMs / (batch x kv heads)
-    whatever the context: 32 at batch 1 on an H200. Each tile is a whole number of BLOCK_N
-    keys of the row's own pages, so splits beyond its page count run empty and still cost a
-    launch slot and a share of the reduction (0.5 ms of a 3.7 ms Qwen3-4B step at batch 1).
+    SPLIT_KV is capped at the pages one sequence can hold: flex splits each row's KV into
+    SPLIT_KV tiles, by default 2 x SMs / (batch x kv heads) whatever the context, 32 at batch 1
+    on an H200. Each tile is a whole number of BLOCK_N keys of the row's own pages, so splits
+    beyond its page count run empty and still cost a launch slot and a share of the reduction
+    (0.5 ms of a 3.7 ms Qwen3-4B step at batch 1).
+
+    num_stages: flex's default on an H200 is one (no prefetch of the next KV block). Three cut
+    a Qwen3-4B layer's decode attention at context 256 from 7.5 to 6.8 us at batch 1 and from
+    16.1 to 13.6 us at batch 8; at batch 64, where the split is already 1, two are best
+    (25.8 -> 25.0 us). Measured with benchmarks/attention_sweep.py on an H200.
     """
     opts = dict(opts or {})
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = max(batch * num_kv_heads, 1)
     if "SPLIT_KV" not in opts:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        opts["SPLIT_KV"] = max(1, min(sms // max(batch * num_kv_heads, 1) * 2, max_pages))
+        opts["SPLIT_KV"] = max(1, min(sms // programs * 2, max_pages))
+    opts.setdefault("num_stages", 3 if programs <= 2 * sms else 2)
     return opts
 
 
