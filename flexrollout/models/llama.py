@@ -3,7 +3,9 @@
 Each layer is attention between two pure tensor functions, `qkv_rope` and `out_mlp`. On CUDA
 they are compiled once (batch dimension dynamic) and reused by every layer and every graph
 bucket: that fuses the norms, RoPE, SiLU-mul and residual adds that otherwise cost ~30 small
-kernels per layer. Layers wrapped by PEFT LoRA run the same math uncompiled, through `linear`.
+kernels per layer. In decode, one layer's `out_mlp` and the next layer's `qkv_rope` are compiled
+as one region (`out_mlp_qkv_rope`), which fuses the residual add into the next input norm.
+Layers wrapped by PEFT LoRA run the same math uncompiled, through `linear`.
 """
 from __future__ import annotations
 
@@ -144,7 +146,9 @@ class LlamaForward:
             out = paged_attention(q, cache.k[index], cache.v[index], meta, self.scale, self.window)
             out_args = self._out_args(layer, small)
             following = layers[index + 1] if index + 1 < len(layers) else None
-            if tokens <= self.mlp_chunk and following is not None and not self._lora_path(following, meta):
+            # Decode only: a prefill is compute-bound, and a region compiled for its shapes too
+            # would add seconds to start-up for nothing.
+            if meta.decode and following is not None and not self._lora_path(following, meta):
                 q, hidden = self._out_qkv(out, hidden, out_args,
                                           self._qkv_args(index + 1, cos, sin, meta, cache, small))
             else:
