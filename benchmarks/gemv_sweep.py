@@ -6,10 +6,11 @@ the engine picks today (`small_linear.tiling`), and for the best tiling found. T
 engine's tiling, a chain of 8 (elementwise kernel -> projection) pairs with and without
 programmatic dependent launch, as in a decode step where each projection follows a fused norm.
 
-    python benchmarks/gemv_sweep.py [OUT.json]
+    python benchmarks/gemv_sweep.py [OUT.json] [--shapes qkv,o] [--rows 1,8] [--engine-only]
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import sys
@@ -61,14 +62,22 @@ def refinements(best: sl.Tiling):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", nargs="?", default="/tmp/gemv.json")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--engine-only", action="store_true",
+                        help="time cuBLAS and the engine's tiling only, no search")
+    args = parser.parse_args()
     torch.manual_seed(0)
     results = {}
-    for name, (widths, k, silu) in SHAPES.items():
+    for name in args.shapes.split(","):
+        widths, k, silu = SHAPES[name]
         copies = 2 if name == "lm_head" else 8
         sets = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in widths]
                 for _ in range(copies)]
         gbytes = sum(widths) * k * 2 / 1e9
-        for m in ROWS:
+        for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = torch.cat([x.float() @ w.float().T for w in sets[0]], dim=1)
             if silu:
@@ -94,6 +103,10 @@ def main() -> None:
             row = {"cublas_GBs": round(gbytes / (graph_seconds(cublas) / copies))}
             engine = sl.tiling(m, sum(widths) if not silu else widths[0], k, silu, x.dtype)
             row["engine_GBs"], row["engine_tiling"] = round(measure(engine)), engine.__dict__
+            if args.engine_only:
+                results[f"{name}_M{m}"] = row
+                print(name, m, json.dumps(row), flush=True)
+                continue
             scores = {}
             for tile in candidates(k, silu):
                 try:
@@ -117,8 +130,7 @@ def main() -> None:
             results[f"{name}_M{m}"] = row
             print(name, m, json.dumps(row), flush=True)
         del sets
-    path = sys.argv[1] if len(sys.argv) > 1 else "/tmp/gemv.json"
-    with open(path, "w") as f:
+    with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 
 

@@ -10,6 +10,9 @@
 #            GRPO workload over a PEFT LoRA r=32 model
 #   tune : GEMV tilings and PDL (gemv_sweep), flex decode masks and options (attention_sweep),
 #          a decode profile at batch 1 (PROFILE_FLAGS=--no-pdl for the A/B)
+#   verify : GPU tests, Qwen3-4B decode at 1 / 8 / 64 + GRPO, the engine's GEMV tilings against
+#            cuBLAS, the tiling search for down and the LM head
+#   final : Qwen3-4B decode at 1 / 8 / 64 + GRPO, then the GPU parity and kernel tests
 #   unsloth : benchmarks/unsloth_grpo.py (carry .whl-unsloth, made by benchmarks/unsloth_wheels.sh)
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
@@ -54,12 +57,28 @@ memory)
   lora32
   names="gpu memory lora32" ;;
 tune)
-  timeout 230 python3 benchmarks/gemv_sweep.py "$out/gemv.json" > "$out/gemv.log" 2>&1
+  timeout 220 python3 benchmarks/gemv_sweep.py "$out/gemv.json" > "$out/gemv.log" 2>&1
   grep -v '^skip' "$out/gemv.log" | cut -c1-400 > "$out/gemv.txt"
-  timeout 190 python3 benchmarks/attention_sweep.py "$out/attention.json" 2>&1 | filter > "$out/attention.txt"
+  timeout 220 python3 benchmarks/attention_sweep.py "$out/attention.json" 2>&1 | filter > "$out/attention.txt"
   timeout 120 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 1 ${PROFILE_FLAGS:-} 2>&1 \
     | filter | head -24 > "$out/profile.txt"
   names="gpu gemv attention profile" ;;
+verify)
+  timeout 230 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_kernels.py tests/test_async_decode.py \
+    2>&1 | filter | tail -8 > "$out/tests.txt"
+  bench 170 --preset qwen3-4b --batch-sizes 1,8,64 --workload decode,grpo --json "$out/qwen3-4b.json" \
+    | tail -8 > "$out/bench.txt"
+  timeout 40 python3 benchmarks/gemv_sweep.py "$out/gemv-engine.json" --shapes qkv,o,gate_up,down,lm_head \
+    --rows 1,8,32 --engine-only 2>&1 | cut -c1-300 > "$out/gemv.txt"
+  timeout 100 python3 benchmarks/gemv_sweep.py "$out/gemv.json" --shapes down,lm_head --rows 1,8,32 \
+    2>&1 | grep -v '^skip' | cut -c1-400 >> "$out/gemv.txt"
+  names="gpu tests bench gemv" ;;
+final)
+  bench 170 --preset qwen3-4b --batch-sizes 1,8,64 --workload decode,grpo --json "$out/qwen3-4b.json" \
+    | tail -8 > "$out/bench.txt"
+  timeout 230 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_async_decode.py \
+    "tests/test_kernels.py::test_kernel_on_cuda" 2>&1 | filter | tail -8 > "$out/tests.txt"
+  names="gpu bench tests" ;;
 lora32)
   lora32
   names="gpu lora32" ;;
