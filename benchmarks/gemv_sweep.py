@@ -61,6 +61,11 @@ def refinements(best: sl.Tiling):
         yield sl.Tiling(best.block_n, best.block_k, best.split, warps, stages)
 
 
+def _launch(x, ws: list, silu: bool, tile, pdl=None):
+    """The engine's kernel over one launch's matrices (one to three)."""
+    return sl.launch(x, *ws, *[None] * (3 - len(ws)), silu, tile, pdl)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", nargs="?", default="/tmp/gemv.json")
@@ -86,7 +91,7 @@ def main() -> None:
 
             def run(tile, pdl=None):
                 for ws in sets:
-                    sl.launch(x, *(ws + [None] * (3 - len(ws))), silu, tile, pdl)
+                    _launch(x, ws, silu, tile, pdl)
 
             def cublas():
                 for ws in sets:
@@ -94,7 +99,7 @@ def main() -> None:
                         F.linear(x, w)
 
             def measure(tile):
-                out = sl.launch(x, *(sets[0] + [None] * (3 - len(widths))), silu, tile)
+                out = _launch(x, sets[0], silu, tile)
                 err = ((out.float().sum(0) - ref).norm() / ref.norm()).item()
                 if not err < 2e-2:
                     raise AssertionError(f"{name} M={m} {tile}: relative error {err}")
@@ -108,19 +113,18 @@ def main() -> None:
                 print(name, m, json.dumps(row), flush=True)
                 continue
             scores = {}
-            for tile in candidates(k, silu):
-                try:
-                    scores[tile] = measure(tile)
-                except Exception as exc:    # a tiling that does not fit (shared memory) is skipped, loudly
-                    print("skip", name, m, tile, type(exc).__name__, str(exc)[:120], file=sys.stderr)
-            best = max(scores, key=scores.get)
-            for tile in refinements(best):
-                if tile not in scores:
+
+            def score(tiles):
+                for tile in tiles:
+                    if tile in scores:
+                        continue
                     try:
                         scores[tile] = measure(tile)
-                    except Exception as exc:
+                    except Exception as exc:    # a tiling that does not fit (shared memory) is skipped, loudly
                         print("skip", name, m, tile, type(exc).__name__, str(exc)[:120], file=sys.stderr)
-            best = max(scores, key=scores.get)
+                return max(scores, key=scores.get)
+
+            best = score(refinements(score(candidates(k, silu))))
             row["best_GBs"], row["best_tiling"] = round(scores[best]), best.__dict__
             if m <= sl.MAX_ROWS:
                 try:
@@ -141,7 +145,7 @@ def chain(x, sets, silu: bool, tile) -> tuple[float, float]:
         def pairs():
             for ws in sets:
                 x.mul_(1.0)
-                sl.launch(x, *(ws + [None] * (3 - len(ws))), silu, tile, pdl)
+                _launch(x, ws, silu, tile, pdl)
         per_pair.append(round(graph_seconds(pairs) / len(sets) * 1e6, 2))
     return per_pair[0], per_pair[1]
 
