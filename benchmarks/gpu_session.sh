@@ -12,6 +12,7 @@
 #          a decode profile at batch 1 (PROFILE_FLAGS=--no-pdl for the A/B)
 #   verify : GPU tests, Qwen3-4B decode at 1 / 8 / 64 + GRPO, the engine's GEMV tilings against
 #            cuBLAS, the tiling search for down and the LM head
+#   fifth : q/k/v epilogue + down tilings: their GPU tests, bs-1 profile, best-of-3 bench, down sweep
 #   final : Qwen3-4B decode at 1 / 8 / 64 + GRPO, then the GPU parity and kernel tests
 #   unsloth : benchmarks/unsloth_grpo.py (carry .whl-unsloth, made by benchmarks/unsloth_wheels.sh)
 out=${1:-/tmp/flexrollout-gpu}
@@ -79,6 +80,18 @@ final)
   timeout 230 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_async_decode.py \
     "tests/test_kernels.py::test_kernel_on_cuda" 2>&1 | filter | tail -8 > "$out/tests.txt"
   names="gpu bench tests" ;;
+fifth)
+  # The q/k/v epilogue kernel and the down tilings: their GPU tests and the parity tests first,
+  # then the bs-1 profile, best-of-3 decode + GRPO, and the down projection's tilings.
+  timeout 200 python3 -m pytest -q -m gpu tests/test_qkv_epilogue.py "tests/test_kernels.py::test_kernel_on_cuda" \
+    "tests/test_gpu.py::test_fp32_greedy_matches_hf_with_graphs" "tests/test_gpu.py::test_bf16_first_logits_close_to_hf" \
+    2>&1 | filter | tail -8 > "$out/tests.txt"
+  timeout 120 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 1 2>&1 | filter | head -24 > "$out/profile.txt"
+  bench 200 --preset qwen3-4b --batch-sizes 1,8,64 --workload decode,grpo --repeat 3 --json "$out/qwen3-4b.json" \
+    | tail -8 > "$out/bench.txt"
+  timeout 40 python3 benchmarks/gemv_sweep.py "$out/gemv-engine.json" --shapes down,o --rows 1,2,8,16,32 \
+    --engine-only 2>&1 | cut -c1-300 > "$out/gemv.txt"
+  names="gpu tests profile bench gemv" ;;
 lora32)
   lora32
   names="gpu lora32" ;;

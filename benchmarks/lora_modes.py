@@ -47,14 +47,14 @@ def main() -> None:
         model = random_model(args.preset, dtype, args.device, 2048)
         vocab = model.config.vocab_size
         base = LLM(model, max_model_len=1024, max_num_seqs=max(batches), gpu_memory_utilization=0.3)
-        rows = {f"base_bs{b}": run_decode(base, b, 128, args.max_tokens, vocab) for b in batches}
+        rows = {f"base_bs{b}": max(run_decode(base, b, 128, args.max_tokens, vocab)) for b in batches}
         del base
         _release(args.device)
         peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ALL))
         for mode in ("live", "merged"):
             llm = LLM(peft_model, max_model_len=1024, max_num_seqs=max(batches),
                       gpu_memory_utilization=0.3, lora_mode=mode)
-            rows.update({f"{mode}_bs{b}": run_decode(llm, b, 128, args.max_tokens, vocab) for b in batches})
+            rows.update({f"{mode}_bs{b}": max(run_decode(llm, b, 128, args.max_tokens, vocab)) for b in batches})
             if mode == "merged":
                 with torch.no_grad():
                     for name, p in peft_model.named_parameters():

@@ -21,7 +21,8 @@ from flexrollout.kernels import small_linear
 
 def _category(name: str) -> str:
     lowered = name.lower()
-    for key, label in (("small_linear_kernel", "gemm"), ("flex", "attention"), ("gemm", "gemm"), ("gemv", "gemm"), ("cutlass", "gemm"),
+    for key, label in (("small_linear_kernel", "gemm"), ("qkv_epilogue", "q/k/v epilogue (sum, norm, RoPE, KV store)"),
+                       ("flex", "attention"), ("gemm", "gemm"), ("gemv", "gemm"), ("cutlass", "gemm"),
                        ("nvjet", "gemm"), ("sm90", "gemm"), ("argmax", "sampler"), ("softmax", "sampler"),
                        ("sort", "sampler"), ("triton", "fused elementwise (norms, RoPE, KV store, sums)"),
                        ("index", "index/copy"), ("copy", "index/copy")):

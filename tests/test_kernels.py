@@ -24,14 +24,15 @@ _CHECK = textwrap.dedent("""
     widths = {widths}
     ws = [torch.randn(n, K).to(dtype) for n in widths]
     x = torch.randn({m}, K).to(dtype)
-    out = sl.launch(x, *(ws + [None] * (3 - len(ws))), {silu}, sl.Tiling(split={split}))
+    out = sl.launch(x, *(ws + [None] * (3 - len(ws))), {silu}, sl.Tiling({tile}))
+    split = out.shape[0]
     x64 = x.double()
     if {silu}:
         ref = F.silu(x64 @ ws[0].double().T) * (x64 @ ws[1].double().T)
     else:
         ref = torch.cat([x64 @ w.double().T for w in ws], dim=1)
     got = out.double().sum(0)
-    assert out.shape == ({split}, {m}, ref.shape[1]), out.shape
+    assert out.shape == (sl.Tiling({tile}).split, {m}, ref.shape[1]), out.shape
     assert torch.isfinite(got).all()
     err = ((got - ref).norm() / ref.norm()).item()
     print("relerr", err)
@@ -48,13 +49,17 @@ CASES = [
     (9, 512, [130], False, 4, "float16", 1e-2),
     (24, 256, [80, 48], False, 2, "float32", 1e-6),       # 17..32 rows: the 32-row tile
     (32, 256, [64, 64], True, 1, "float16", 1e-2),
+    # The down projection's long-K tilings (tiling() picks them for 16-bit weights).
+    (1, 1024, [64], False, "block_k=256, split=2", "float16", 1e-2),
+    (8, 1024, [136], False, "block_n=128, split=4", "float16", 1e-2),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"m{c[0]}-k{c[1]}-{len(c[2])}w-silu{c[3]}-s{c[4]}-{c[5]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"m{c[0]}-k{c[1]}-{len(c[2])}w-silu{c[3]}-s{str(c[4]).replace(' ', '')}-{c[5]}")
 def test_kernel_matches_float64_in_triton_interpreter(case):
-    m, k, widths, silu, split, dtype, tol = case
-    code = _CHECK.format(seed=m, dtype=dtype, k=k, widths=widths, m=m, silu=silu, split=split, tol=tol)
+    m, k, widths, silu, tile, dtype, tol = case
+    tile = tile if isinstance(tile, str) else f"split={tile}"
+    code = _CHECK.format(seed=m, dtype=dtype, k=k, widths=widths, m=m, silu=silu, tile=tile, tol=tol)
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300)
@@ -81,6 +86,19 @@ def test_split_rule():
     assert sl.split_k(2560, 9728, False) == 4          # 9728 = 76 x 128 stops at 4
     assert sl.split_k(151936, 2560, False) == 1        # the LM head: 2374 blocks
     assert sl.split_k(9728, 2560, True) == 1
+
+
+def test_long_k_tiling_rule():
+    # Down projections of 16-bit weights (K >= 3 N) take the deeper, fewer-program tilings;
+    # fp32 and other shapes keep the 256-program split.
+    bf16 = torch.bfloat16
+    assert sl.tiling(1, 2560, 9728, False, bf16) == sl.Tiling(block_k=256, split=2)
+    assert sl.tiling(8, 2560, 9728, False, bf16) == sl.Tiling(block_n=128, split=4)
+    assert sl.tiling(1, 2560, 9728, False, torch.float32).split == sl.split_k(2560, 9728, False)
+    assert sl.tiling(1, 2560, 4096, False, bf16) == sl.Tiling(split=8, stages=3)    # o_proj
+    assert sl.tiling(1, 2560, 9600, False, bf16).block_k == sl.BLOCK_K   # 9600 % 512 != 0
+    x = torch.randn(1, 1024, dtype=bf16)
+    assert sl.small_linear(x, torch.randn(64, 1024, dtype=bf16)).shape == (2, 1, 64)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.flex import AttentionMetadata, paged_attention
+from ..kernels import qkv_epilogue as epilogue
 from ..kernels import small_linear as gemv
+from ..kernels.qkv_epilogue import qkv_epilogue
 from ..kernels.small_linear import small_linear
 from .base import LayerSpec, ModelSpec, apply_rope, in_row_chunks, linear, rms_norm, rope_tables
 
@@ -30,17 +32,24 @@ def qkv_rope(x, ln_w, wq, bq, wk, bk, wv, bv, qn_w, kn_w, cos, sin, k_cache, v_c
     """input norm -> q/k/v projections -> (Qwen3) q/k norm -> RoPE -> K/V stored in the cache.
 
     `small`: the batch is small enough for the GEMV kernel, which reads q, k and v in one launch.
-    The cache write is an `index_copy_` on the whole 4-D cache tensor so torch.compile scatters
-    into it in place (a write through a view of it made inductor copy the whole cache).
+    On CUDA everything after the projections is one kernel (`qkv_epilogue`). Elsewhere the
+    cache write is an `index_copy_` on the whole 4-D cache tensor (a write through a view of it
+    made inductor copy the whole cache).
     """
     h = rms_norm(x, ln_w, eps)
     tokens = h.shape[0]
-    if small:
-        qkv = small_linear(h, wq, wk, wv).sum(0).to(h.dtype)
-        q, k, v = qkv.split([wq.shape[0], wk.shape[0], wv.shape[0]], dim=-1)
-        q, k, v = _add_bias(q, bq), _add_bias(k, bk), _add_bias(v, bv)
+    widths = [wq.shape[0], wk.shape[0], wv.shape[0]]
+    if small:   # fp32 partials (split, tokens, widths), q/k/v side by side
+        q, k, v = small_linear(h, wq, wk, wv).split(widths, dim=-1)
     else:
         q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
+        bq = bk = bv = None     # added, as HF adds them, inside the GEMM
+    if h.is_cuda and epilogue.supported(head_dim, k_cache) and (bq is None) == (bk is None) == (bv is None):
+        return qkv_epilogue(q, k, v, bq, bk, bv, qn_w, kn_w, cos, sin, k_cache, v_cache, slot_mapping,
+                            eps, num_heads, num_kv_heads)
+    if small:
+        q, k, v = (part.sum(0).to(h.dtype) for part in (q, k, v))
+    q, k, v = _add_bias(q, bq), _add_bias(k, bk), _add_bias(v, bv)
     q = q.reshape(tokens, num_heads, head_dim)
     k = k.reshape(tokens, num_kv_heads, head_dim)
     v = v.reshape(tokens, num_kv_heads, head_dim)
