@@ -8,7 +8,7 @@ full blocks) against the same mask with every page partial (mask_mod evaluated e
 and for several flex kernel options. (`{}` is flex's default: on an H200, BLOCK_N 64, one
 stage, two warps; the engine's own choice is `decode_kernel_options`.)
 
-    python benchmarks/attention_sweep.py [--context 256] [OUT.json]
+    python benchmarks/attention_sweep.py [--context 256] [--batches 1,8] [--options JSON] [OUT.json]
 """
 from __future__ import annotations
 
@@ -39,11 +39,16 @@ def all_partial(mask: BlockMask) -> BlockMask:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--options", default=None,
+                        help='JSON list of option dicts to try instead of OPTIONS, e.g. \'[{"SPLIT_KV": 2}]\'')
+    parser.add_argument("--no-partial", action="store_true", help="skip the all-partial mask variants")
     parser.add_argument("out", nargs="?", default="/tmp/attention.json")
     args = parser.parse_args()
+    options = json.loads(args.options) if args.options else OPTIONS
     torch.manual_seed(0)
     results = {}
-    for batch in (1, 8, 64):
+    for batch in (int(b) for b in args.batches.split(",")):
         pages_per_row = -(-args.context // PAGE)
         num_pages = batch * pages_per_row + 1
         caches = [(torch.randn(1, HKV, num_pages * PAGE, D, device="cuda", dtype=torch.bfloat16),
@@ -60,8 +65,9 @@ def main() -> None:
         full = decode_block_mask(rows, positions // PAGE + 1, positions, page_logical, PAGE,
                                  HQ // HKV, num_pages * PAGE)
         kv_gb = batch * args.context * HKV * D * 2 * 2 / 1e9
-        variants = [("full+partial", full, o) for o in OPTIONS]
-        variants += [("all partial", all_partial(full), o) for o in ({}, {"num_stages": 3})]
+        variants = [("full+partial", full, o) for o in options]
+        if not args.no_partial:
+            variants += [("all partial", all_partial(full), o) for o in ({}, {"num_stages": 3})]
         for layout, block_mask, opts in variants:
             meta = AttentionMetadata(positions, positions, decode=True, block_masks={None: block_mask},
                                      kernel_options=dict(opts))

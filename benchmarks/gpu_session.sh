@@ -13,6 +13,9 @@
 #   verify : GPU tests, Qwen3-4B decode at 1 / 8 / 64 + GRPO, the engine's GEMV tilings against
 #            cuBLAS, the tiling search for down and the LM head
 #   fifth : q/k/v epilogue + down tilings: their GPU tests, bs-1 profile, best-of-3 bench, down sweep
+#   sixth : cold start-up, fused-kernel + parity tests, bs-1 and bs-64 profiles, best-of-3 bench,
+#           flex decode SPLIT_KV at bs 1 and 8
+#   seventh : every GPU test, Llama-3.2-3B decode 1 / 8 / 64 + prefill
 #   final : Qwen3-4B decode at 1 / 8 / 64 + GRPO, then the GPU parity and kernel tests
 #   unsloth : benchmarks/unsloth_grpo.py (carry .whl-unsloth, made by benchmarks/unsloth_wheels.sh)
 out=${1:-/tmp/flexrollout-gpu}
@@ -83,7 +86,7 @@ final)
 fifth)
   # The q/k/v epilogue kernel and the down tilings: their GPU tests and the parity tests first,
   # then the bs-1 profile, best-of-3 decode + GRPO, and the down projection's tilings.
-  timeout 200 python3 -m pytest -q -m gpu tests/test_qkv_epilogue.py "tests/test_kernels.py::test_kernel_on_cuda" \
+  timeout 200 python3 -m pytest -q -m gpu tests/test_fused_kernels.py "tests/test_kernels.py::test_kernel_on_cuda" \
     "tests/test_gpu.py::test_fp32_greedy_matches_hf_with_graphs" "tests/test_gpu.py::test_bf16_first_logits_close_to_hf" \
     2>&1 | filter | tail -8 > "$out/tests.txt"
   timeout 120 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 1 2>&1 | filter | head -24 > "$out/profile.txt"
@@ -92,6 +95,27 @@ fifth)
   timeout 40 python3 benchmarks/gemv_sweep.py "$out/gemv-engine.json" --shapes down,o --rows 1,2,8,16,32 \
     --engine-only 2>&1 | cut -c1-300 > "$out/gemv.txt"
   names="gpu tests profile bench gemv" ;;
+sixth)
+  # Start-up first, on empty compile caches (the machine is fresh; the caches are set anyway).
+  TORCHINDUCTOR_CACHE_DIR=/tmp/cold-inductor TRITON_CACHE_DIR=/tmp/cold-triton \
+    bench 120 --preset qwen3-4b --batch-sizes 1 --max-tokens 64 --json "$out/startup.json" | tail -3 > "$out/startup.txt"
+  timeout 200 python3 -m pytest -q -m gpu tests/test_fused_kernels.py \
+    "tests/test_gpu.py::test_fp32_greedy_matches_hf_with_graphs" "tests/test_gpu.py::test_bf16_first_logits_close_to_hf" \
+    2>&1 | filter | tail -4 > "$out/tests.txt"
+  timeout 90 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 1 2>&1 | filter | head -24 > "$out/profile.txt"
+  timeout 90 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 64 2>&1 | filter | head -24 > "$out/profile64.txt"
+  bench 150 --preset qwen3-4b --batch-sizes 1,8,64 --workload decode,grpo --repeat 3 --json "$out/qwen3-4b.json" \
+    | tail -5 > "$out/bench.txt"
+  timeout 60 python3 benchmarks/attention_sweep.py --batches 1,8 --no-partial "$out/attention.json" --options \
+    '[{"num_stages": 3}, {"num_stages": 3, "SPLIT_KV": 1}, {"num_stages": 3, "SPLIT_KV": 2}, {"num_stages": 3, "SPLIT_KV": 4}, {"num_stages": 3, "SPLIT_KV": 8}]' \
+    2>&1 | filter > "$out/attention.txt"
+  names="gpu startup tests profile profile64 bench attention" ;;
+seventh)
+  # Every GPU test on the final code, then Llama-3.2-3B decode + prefill.
+  timeout 420 python3 -m pytest -q -m gpu tests/ 2>&1 | filter | tail -12 > "$out/tests.txt"
+  bench 150 --preset llama-3.2-3b --batch-sizes 1,8,64 --workload decode,prefill --repeat 2 \
+    --json "$out/llama.json" | tail -5 > "$out/llama.txt"
+  names="gpu tests llama" ;;
 lora32)
   lora32
   names="gpu lora32" ;;

@@ -89,7 +89,11 @@ def _kernel():
     return qkv_epilogue_kernel
 
 
-_TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+def tl_dtype(dtype: torch.dtype):
+    """The Triton dtype of a model dtype (a kernel's rounding target)."""
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
 @torch.library.custom_op("flexrollout::qkv_epilogue", mutates_args=("k_cache", "v_cache"))
@@ -104,8 +108,6 @@ def qkv_epilogue(q_src: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor,
     `q_src`/`k_src`/`v_src`: (split, T, width) fp32 partials or (T, width) projections, summed
     over the split. `cos`/`sin`: (T, head_dim) in the model dtype. Caches: (1, kv_heads, S, D).
     """
-    import triton.language as tl
-
     head_dim = k_cache.shape[-1]
     srcs = [s if s.dim() == 3 else s[None] for s in (q_src, k_src, v_src)]
     split, tokens = srcs[0].shape[0], srcs[0].shape[1]
@@ -122,7 +124,7 @@ def qkv_epilogue(q_src: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor,
         bv if has_bias else dummy, qn_w if has_norm else dummy, kn_w if has_norm else dummy,
         cos, sin, cos.stride(0), q, k_cache, v_cache, slot_mapping, k_cache.stride(1), eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, SPLIT=split,
-        HAS_BIAS=has_bias, HAS_NORM=has_norm, DTYPE=getattr(tl, _TL_DTYPES[cos.dtype]),
+        HAS_BIAS=has_bias, HAS_NORM=has_norm, DTYPE=tl_dtype(cos.dtype),
         num_warps=1)
     return q
 
