@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from ..attention.flex import AttentionMetadata, paged_attention
 from ..kernels import qkv_epilogue as epilogue
-from ..kernels.add_norm import add_rms_norm
 from ..kernels import small_linear as gemv
 from ..kernels.qkv_epilogue import qkv_epilogue
 from ..kernels.small_linear import small_linear
@@ -66,18 +65,16 @@ def qkv_rope(x, ln_w, wq, bq, wk, bk, wv, bv, qn_w, kn_w, cos, sin, k_cache, v_c
 def out_mlp(attn, residual, wo, bo, ln_w, w_gate, w_up, w_down, eps: float, small: bool):
     """o_proj + residual -> post-attention norm -> SwiGLU MLP + residual.
 
-    `small`: GEMV kernels; gate and up are one launch that applies SiLU(gate) * up itself, and
-    on CUDA o_proj's partials, bias, residual and the norm are one kernel (`add_rms_norm`).
+    `small`: GEMV kernels; gate and up are one launch that applies SiLU(gate) * up itself.
+    (A one-kernel o_proj sum + residual + norm, one program per row, measured slower at batch 1
+    than inductor's two kernels, whose split sum runs over many programs: BENCHMARKS.md.)
     """
     if not small:
         hidden = residual + F.linear(attn, wo, bo)
         h = rms_norm(hidden, ln_w, eps)
         return hidden + F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
-    if attn.is_cuda:
-        hidden, h = add_rms_norm(small_linear(attn, wo), bo, residual, ln_w, eps)
-    else:
-        hidden = residual + _add_bias(small_linear(attn, wo).sum(0).to(attn.dtype), bo)
-        h = rms_norm(hidden, ln_w, eps)
+    hidden = residual + _add_bias(small_linear(attn, wo).sum(0).to(attn.dtype), bo)
+    h = rms_norm(hidden, ln_w, eps)
     act = small_linear(h, w_gate, w_up, silu_mul=True)[0]
     return hidden + small_linear(act, w_down).sum(0).to(h.dtype)
 
