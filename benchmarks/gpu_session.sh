@@ -15,7 +15,7 @@
 #   fifth : q/k/v epilogue + down tilings: their GPU tests, bs-1 profile, best-of-3 bench, down sweep
 #   sixth : cold start-up, fused-kernel + parity tests, bs-1 and bs-64 profiles, best-of-3 bench,
 #           flex decode SPLIT_KV at bs 1 and 8
-#   seventh : every GPU test, Llama-3.2-3B decode 1 / 8 / 64 + prefill
+#   seventh : Llama-3.2-3B decode 1 / 8 / 64 + prefill, then every GPU test
 #   final : Qwen3-4B decode at 1 / 8 / 64 + GRPO, then the GPU parity and kernel tests
 #   unsloth : benchmarks/unsloth_grpo.py (carry .whl-unsloth, made by benchmarks/unsloth_wheels.sh)
 out=${1:-/tmp/flexrollout-gpu}
@@ -111,11 +111,11 @@ sixth)
     2>&1 | filter > "$out/attention.txt"
   names="gpu startup tests profile profile64 bench attention" ;;
 seventh)
-  # Every GPU test on the final code, then Llama-3.2-3B decode + prefill.
-  timeout 420 python3 -m pytest -q -m gpu tests/ 2>&1 | filter | tail -12 > "$out/tests.txt"
-  bench 150 --preset llama-3.2-3b --batch-sizes 1,8,64 --workload decode,prefill --repeat 2 \
+  # Llama-3.2-3B decode + prefill (cold caches: start-up), then every GPU test on the final code.
+  bench 140 --preset llama-3.2-3b --batch-sizes 1,8,64 --workload decode,prefill --repeat 2 \
     --json "$out/llama.json" | tail -5 > "$out/llama.txt"
-  names="gpu tests llama" ;;
+  timeout 430 python3 -m pytest -q -m gpu tests/ 2>&1 | filter | tail -12 > "$out/tests.txt"
+  names="gpu llama tests" ;;
 lora32)
   lora32
   names="gpu lora32" ;;
