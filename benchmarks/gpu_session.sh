@@ -16,6 +16,7 @@
 #   sixth : cold start-up, fused-kernel + parity tests, bs-1 and bs-64 profiles, best-of-3 bench,
 #           flex decode SPLIT_KV at bs 1 and 8
 #   seventh : Llama-3.2-3B decode 1 / 8 / 64 + prefill, then every GPU test
+#   prefill_ab : Llama-3.2-3B prefill with the q/k/v epilogue on / off / on (64 sequences)
 #   final : Qwen3-4B decode at 1 / 8 / 64 + GRPO, then the GPU parity and kernel tests
 #   unsloth : benchmarks/unsloth_grpo.py (carry .whl-unsloth, made by benchmarks/unsloth_wheels.sh)
 out=${1:-/tmp/flexrollout-gpu}
@@ -116,6 +117,13 @@ seventh)
     --json "$out/llama.json" | tail -5 > "$out/llama.txt"
   timeout 430 python3 -m pytest -q -m gpu tests/ 2>&1 | filter | tail -12 > "$out/tests.txt"
   names="gpu llama tests" ;;
+prefill_ab)
+  # Llama-3.2-3B prefill (64 x 512, max_num_seqs 64) with the q/k/v epilogue kernel on and off.
+  ab() { timeout 80 python3 -c "import sys; import flexrollout.kernels.qkv_epilogue as e; e.ENABLED = sys.argv[1] == 'on'
+from flexrollout.cli import main; main(sys.argv[2:])" "$@" 2>&1 | grep -e prefill_tok | cut -c1-200; }
+  pre="bench --preset llama-3.2-3b --workload prefill --batch-sizes 64"
+  { for v in ${AB_ORDER:-on off on}; do echo "epilogue $v"; ab $v $pre; done; } > "$out/prefill_ab.txt"
+  names="gpu prefill_ab" ;;
 lora32)
   lora32
   names="gpu lora32" ;;

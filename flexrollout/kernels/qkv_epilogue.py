@@ -23,9 +23,13 @@ import functools
 import torch
 
 
+# A module switch so benchmarks can measure the inductor path it replaces.
+ENABLED = True
+
+
 def supported(head_dim: int, k_cache: torch.Tensor) -> bool:
     """A power-of-two head (the kernel's half-head arange) and a contiguous (1, H, S, D) cache."""
-    return (head_dim >= 16 and head_dim & (head_dim - 1) == 0 and k_cache.dim() == 4
+    return (ENABLED and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and k_cache.dim() == 4
             and k_cache.is_contiguous())
 
 
