@@ -13,8 +13,9 @@ rounded once.
 Columns of the projection output are q heads, then k heads, then v heads, `head_dim` each: the
 layout of the GEMV's q/k/v launch (`small_linear(h, wq, wk, wv)`) and of three separate
 projections alike (`q_src`, `k_src`, `v_src` are column views with their own row strides).
-The op is CUDA-only in the engine (the model's torch path runs elsewhere); Triton's interpreter
-runs it on CPU tensors in tests.
+The engine calls it in decode on CUDA only: in prefill (thousands of tokens per layer) the
+one-warp programs made Llama-3.2-3B's 64 x 512 prefill 31% slower on an H200, and off CUDA the
+model's torch path runs. Triton's interpreter runs it on CPU tensors in tests.
 """
 from __future__ import annotations
 

@@ -46,7 +46,8 @@ def qkv_rope(x, ln_w, wq, bq, wk, bk, wv, bv, qn_w, kn_w, cos, sin, k_cache, v_c
     else:
         q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
         bq = bk = bv = None     # added, as HF adds them, inside the GEMM
-    if decode and h.is_cuda and epilogue.supported(head_dim, k_cache) and (bq is None) == (bk is None) == (bv is None):
+    same_bias = (bq is None) == (bk is None) == (bv is None)   # the kernel adds all three or none
+    if decode and h.is_cuda and same_bias and epilogue.supported(head_dim, k_cache):
         return qkv_epilogue(q, k, v, bq, bk, bv, qn_w, kn_w, cos, sin, k_cache, v_cache, slot_mapping,
                             eps, num_heads, num_kv_heads)
     if small:
