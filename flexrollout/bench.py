@@ -116,13 +116,26 @@ def run_decode(llm, batch: int, prompt_len: int, max_tokens: int, vocab: int,
     prompts = _prompts(batch, prompt_len, vocab, 2)
     rates = []
     for _ in range(repeat):
-        _sync(llm.llm_engine.device.type)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        _sync(llm.llm_engine.device.type)
-        elapsed = time.perf_counter() - start
+        outs, elapsed = _timed_generate(llm, prompts, params)
         rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
     return rates
+
+
+def _timed_generate(llm, prompts, params) -> tuple[list, float]:
+    """`llm.generate` and its wall time, the device drained before and after."""
+    device = llm.llm_engine.device.type
+    _sync(device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _sync(device)
+    return outs, time.perf_counter() - start
+
+
+def _spread(rates: list[float]) -> dict:
+    """Every run's tok/s and the spread as % of the best, when there was more than one run."""
+    if len(rates) < 2:
+        return {}
+    return {"tok_s_runs": rates, "spread_pct": 100 * (max(rates) - min(rates)) / max(rates)}
 
 
 def _compile_seconds() -> dict[str, float]:
@@ -205,9 +218,7 @@ def bench(args) -> dict:
             rates = run_decode(llm, batch, args.prompt_len, args.max_tokens, vocab, args.repeat)
             tok_s = max(rates)
             ctx = args.prompt_len + args.max_tokens / 2
-            row = {"workload": "decode", "batch": batch, "tok_s": tok_s}
-            if len(rates) > 1:
-                row.update(tok_s_runs=rates, spread_pct=100 * (max(rates) - min(rates)) / tok_s)
+            row = {"workload": "decode", "batch": batch, "tok_s": tok_s, **_spread(rates)}
             if "bandwidth_GBs" in result:
                 roof = batch * result["bandwidth_GBs"] * 1e9 / (weights + batch * ctx * kv_per_token)
                 row.update(roofline_tok_s=roof, roofline_pct=100 * tok_s / roof)
@@ -224,28 +235,18 @@ def bench(args) -> dict:
         llm.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=8, logprobs=0), use_tqdm=False)
         runs = []
         for _ in range(args.repeat):
-            _sync(device)
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            _sync(device)
-            elapsed = time.perf_counter() - start
+            outs, elapsed = _timed_generate(llm, prompts, params)
             generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
             runs.append({"tok_s": generated / elapsed, "generated": generated, "seconds": elapsed})
         best = max(runs, key=lambda run: run["tok_s"])
-        row = {"workload": "grpo", "batch": 64, **best}
-        if len(runs) > 1:
-            row.update(tok_s_runs=[run["tok_s"] for run in runs],
-                       spread_pct=100 * (best["tok_s"] - min(r["tok_s"] for r in runs)) / best["tok_s"])
-        rows.append(row)
+        rows.append({"workload": "grpo", "batch": 64, **best,
+                     **_spread([run["tok_s"] for run in runs])})
     if "prefill" in workloads:
         flops = measure_matmul(device) if device == "cuda" else None
         prompts = _prompts(64, 512, vocab, 4)
         llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-        _sync(device)
-        start = time.perf_counter()
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-        _sync(device)
-        tokens_s = 64 * 512 / (time.perf_counter() - start)
+        _, elapsed = _timed_generate(llm, prompts, SamplingParams(temperature=0, max_tokens=1))
+        tokens_s = 64 * 512 / elapsed
         row = {"workload": "prefill", "prefill_tok_s": tokens_s}
         if flops:
             params_count = weights / torch.empty((), dtype=dtype).element_size()

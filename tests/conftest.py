@@ -409,3 +409,17 @@ def tiny_llm(model, tok, **overrides):
         del kwargs["num_gpu_blocks_override"]
     kwargs.update(overrides)
     return LLM(model, **kwargs)
+
+
+def run_fresh_python(code: str, triton_interpret: bool) -> None:
+    """Run `code` in a fresh interpreter and fail with its stderr if it fails. Kernel checks run
+    this way because TRITON_INTERPRET must be set before a Triton kernel is first built."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    if triton_interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

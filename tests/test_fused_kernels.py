@@ -3,13 +3,12 @@ Qwen3 RMSNorm and rotary functions in float64, run by Triton's interpreter on CP
 on CUDA when present)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from conftest import run_fresh_python
 
 pytest.importorskip("triton")
 
@@ -84,17 +83,9 @@ CASES = [
 
 def _run(case, device: str):
     tokens, heads, kv_heads, head_dim, split, bias, norm, dtype, tol = case
-    _run_code(_CHECK.format(device=device, dtype=dtype, tokens=tokens, heads=heads, kv_heads=kv_heads,
-                            head_dim=head_dim, split=split, bias=bias, norm=norm, tol=tol), device)
-
-
-def _run_code(code: str, device: str):
-    env = dict(os.environ)
-    if device == "cpu":
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code = _CHECK.format(device=device, dtype=dtype, tokens=tokens, heads=heads, kv_heads=kv_heads,
+                         head_dim=head_dim, split=split, bias=bias, norm=norm, tol=tol)
+    run_fresh_python(code, triton_interpret=device == "cpu")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"t{c[0]}-h{c[1]}-kv{c[2]}-d{c[3]}-s{c[4]}-{c[7]}")
@@ -108,4 +99,3 @@ def test_epilogue_matches_hf_in_triton_interpreter(case):
                          ids=lambda c: f"t{c[0]}-h{c[1]}-{c[7]}")
 def test_epilogue_on_cuda(case):
     _run(case, "cuda")
-

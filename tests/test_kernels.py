@@ -2,14 +2,12 @@
 (and natively on CUDA when present)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from conftest import run_fresh_python
 from flexrollout.kernels import small_linear as sl
 
 triton = pytest.importorskip("triton")
@@ -25,7 +23,6 @@ _CHECK = textwrap.dedent("""
     ws = [torch.randn(n, K).to(dtype) for n in widths]
     x = torch.randn({m}, K).to(dtype)
     out = sl.launch(x, *(ws + [None] * (3 - len(ws))), {silu}, sl.Tiling({tile}))
-    split = out.shape[0]
     x64 = x.double()
     if {silu}:
         ref = F.silu(x64 @ ws[0].double().T) * (x64 @ ws[1].double().T)
@@ -60,10 +57,7 @@ def test_kernel_matches_float64_in_triton_interpreter(case):
     m, k, widths, silu, tile, dtype, tol = case
     tile = tile if isinstance(tile, str) else f"split={tile}"
     code = _CHECK.format(seed=m, dtype=dtype, k=k, widths=widths, m=m, silu=silu, tile=tile, tol=tol)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_fresh_python(code, triton_interpret=True)
 
 
 def test_reference_partials_sum_to_linear():
