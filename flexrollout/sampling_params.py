@@ -32,6 +32,9 @@ Normalisations done in ``__init__`` that the engine may rely on:
 * ``output_kind``, ``flat_logprobs``, ``stream_interval`` and ``skip_clone``
   are accepted for compatibility and do not change the offline result
   (a list of ``dict[int, Logprob]`` duck-types vLLM's flat logprobs).
+* ``spaces_between_special_tokens`` is validated and ignored: transformers 5's
+  tokenizers (fast and sentencepiece alike) accept it in ``decode`` and do not
+  read it, so there is nothing to pass it to.
 """
 
 from __future__ import annotations

@@ -21,23 +21,55 @@ import torch
 _MASK32 = 0xFFFFFFFF
 
 
+def _int32(value: int) -> int:
+    """A 32-bit pattern as the int32 value that holds it (two's complement)."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+_MUL1, _MUL2, _MUL_TOKEN = _int32(0x7FEB352D), _int32(0x846CA68B), _int32(0x2545F491)
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32) on int64 tensors holding values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+    """A 32-bit integer hash (lowbias32) on int32 tensors. Products wrap modulo 2^32 as the hash
+    wants; `>>` is arithmetic on int32, so each shift is masked to a logical one. (int32, not
+    int64: half the bytes, and no masking after each product.)"""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _MUL1
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _MUL2
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """(B,) int32 keys: one per (int64 seed, position of the token being drawn)."""
+    low = (seeds & _MASK32).sub(1 << 31).to(torch.int32)           # exact: in int32 range
+    high = ((seeds >> 32) & _MASK32).sub(1 << 31).to(torch.int32)
+    counter = (counters & _MASK32).sub(1 << 31).to(torch.int32)
+    row = _mix32(low ^ _mix32(high ^ _int32(0x9E3779B9)))
+    return _mix32(row + counter * _int32(0x632BE5AB))
+
+
+def token_bits(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """int32 hash values of (row key, token id) pairs, broadcast against each other."""
+    return _mix32(keys ^ (token_ids.to(torch.int32) * _MUL_TOKEN))
+
+
+def gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise from hash values, finite for every possible value.
+
+    The top 23 of the 32 bits give v = (k + 1/2) / 2^23, strictly inside (0, 1) and exact in float32 (24
+    bits would reach 1 - 2^-25, which rounds to 1.0). The exponential -log(1 - v) is taken with
+    log1p, exact near v = 0 and positive everywhere, so -log of it lies in [-2.9, 16.7]. A plain
+    log of u near 1 could return 0 on the GPU's approximate log, and -log(0) is +inf.
+    """
+    v = (((bits >> 9) & 0x7FFFFF).float() + 0.5) * (1.0 / (1 << 23))
+    return -torch.log(-torch.log1p(-v))
 
 
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
     """(B, V) standard Gumbel noise, a pure function of (seed, counter, token id)."""
-    row = _mix32((seeds & _MASK32) ^ _mix32(((seeds >> 32) & _MASK32) ^ 0x9E3779B9))
-    row = _mix32((row + counters * 0x632BE5AB) & _MASK32)
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    bits = _mix32((row[:, None] ^ (ids[None, :] * 0x2545F491 & _MASK32)) & _MASK32)
-    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(uniform))
+    return gumbel_from_bits(token_bits(row_keys(seeds, counters)[:, None], ids[None, :]))
 
 
 @dataclass
@@ -90,10 +122,26 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+# Rows of an eager (CPU) draw hashed at once: bounds its (rows, V) temporaries (a 152k vocabulary
+# makes each 0.6 MB per row) so they are reused instead of mapped fresh for every operation.
+_EAGER_ROWS = 16
+
+
 def draw(logits: torch.Tensor, sample_logits: torch.Tensor, greedy: torch.Tensor,
          seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """Greedy rows: argmax of `logits`; the others: Gumbel-max over `sample_logits`."""
-    noisy = sample_logits + gumbel_noise(seeds, counters, logits.shape[-1])
+    """Greedy rows: argmax of `logits`; the others: Gumbel-max over `sample_logits`.
+
+    Noise is added only where a token may be drawn: a masked token (-inf) stays -inf whatever the
+    noise, so it can never be drawn, and no NaN (-inf + inf, or a NaN logit) reaches the argmax,
+    which would take it as the maximum. On CUDA this is compiled into the argmax.
+    """
+    rows = logits.shape[0]
+    if not logits.is_cuda and rows > _EAGER_ROWS:
+        return torch.cat([draw(*(t[i:i + _EAGER_ROWS] for t in (logits, sample_logits, greedy, seeds, counters)))
+                          for i in range(0, rows, _EAGER_ROWS)])
+    noise = gumbel_noise(seeds, counters, logits.shape[-1])
+    drawable = sample_logits > float("-inf")          # False for -inf and for NaN
+    noisy = torch.where(drawable, sample_logits + noise, float("-inf"))
     return torch.where(greedy, logits.argmax(dim=-1), noisy.argmax(dim=-1))
 
 
