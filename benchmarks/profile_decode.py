@@ -16,7 +16,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from flexrollout import LLM, SamplingParams
 from flexrollout.bench import random_model
-from flexrollout.kernels import small_linear
 
 
 def _category(name: str) -> str:
@@ -77,9 +76,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--no-pdl", action="store_true", help="GEMV launches without PDL")
     args = parser.parse_args()
-    small_linear.PDL = not args.no_pdl
     model = random_model(args.preset, torch.bfloat16, "cuda", 4096)
-    llm = LLM(model, max_model_len=2048, max_num_seqs=max(args.batch, 8), gpu_memory_utilization=0.5)
+    llm = LLM(model, max_model_len=2048, max_num_seqs=max(args.batch, 8), gpu_memory_utilization=0.5,
+              gemv_pdl=not args.no_pdl)
     prompts = [{"prompt_token_ids": list(range(10 + i, 138 + i))} for i in range(args.batch)]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.steps, ignore_eos=True)
     prefill_only = SamplingParams(temperature=args.temperature, max_tokens=1, ignore_eos=True)

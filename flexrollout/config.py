@@ -54,6 +54,11 @@ class EngineConfig:
     # small_batch_max_rows (<= 32) rows. Larger batches use cuBLAS.
     small_batch_kernels: bool = True
     small_batch_max_rows: int = 32
+    # Launch the GEMV kernel with programmatic dependent launch (Hopper on); off only to measure it.
+    gemv_pdl: bool = True
+    # Decode's q/k/v epilogue kernel (partial sums, bias, q/k norm, RoPE, K/V store in one launch);
+    # off only to measure the compiled path it replaces.
+    qkv_epilogue: bool = True
     # Launch decode step t+1 before reading step t's tokens back (they are fed device to device),
     # so host work (scheduling, stop checks, detokenizing) overlaps the GPU. Stops are found a step
     # late (that extra token is discarded). Prefills, preemptions and steps with penalties, biases,

@@ -68,10 +68,9 @@ class LLM:
         if run_dtype != param.dtype:
             raise ValueError(f"dtype={dtype!r} differs from the in-memory model's {param.dtype}; "
                              f"flexrollout never copies weights, so cast the model itself or pass 'auto'")
-        forward = build_forward(self.model, run_dtype)
-        if self.config.lora_mode == "merged":
-            forward.merged = MergedLora(self.model)
-        spec = forward.spec()
+        merged = MergedLora(self.model) if self.config.lora_mode == "merged" else None
+        forward = build_forward(self.model, run_dtype, merged)
+        spec = forward.spec
         model_len = max_model_len or spec.max_position_embeddings
         device = torch.device(self.config.device) if self.config.device else param.device
         owned = _weight_bytes(self.model) if isinstance(model, str) else 0
@@ -257,12 +256,12 @@ class LLM:
     def _check_weights(self) -> None:
         if self._weights_offloaded:
             raise RuntimeError("the weights are asleep; call wake_up() (or wake_up(tags=['weights']))")
-        merged = self.llm_engine.forward.merged
-        if merged is not None:
-            merged.refresh()          # in place: graphs that read the merged tensors stay valid
+        # Merged copies are refreshed in place (graphs that read them stay valid); live adapters
+        # switched on or off change what the graphs read.
+        adapters_changed = self.llm_engine.forward.refresh()
         key = self._weights_fingerprint()
-        if key != self._weights_key:
-            logger.info("model parameters moved or changed structure; re-capturing decode graphs")
+        if key != self._weights_key or adapters_changed:
+            logger.info("model parameters or active adapters changed; re-capturing decode graphs")
             self.llm_engine.invalidate_graphs()
             self._weights_key = key
 
@@ -307,7 +306,7 @@ class LLM:
         if self._lora_registry is None:
             engine = self.llm_engine
             self._lora_registry = AdapterRegistry(
-                len(engine.spec.layers), engine.forward.projection_shapes(), engine.device,
+                len(engine.spec.layers), engine.forward.lora_targets(), engine.device,
                 engine.model_config.dtype)
         return self._lora_registry
 

@@ -71,9 +71,8 @@ def test_rslora_scaling_matches_peft():
 
 def test_dora_raises():
     pm, tok = _peft(use_dora=True)
-    llm = LLM(pm, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32)
     with pytest.raises(NotImplementedError, match="DoRA"):
-        _gen(llm)
+        LLM(pm, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32)
 
 
 @pytest.fixture
@@ -182,7 +181,7 @@ def test_fp32_adapter_over_bf16_base_matches_peft_within_bf16_rounding():
     """PEFT keeps adapters in fp32 over a bf16 base; the engine casts the adapter, not the
     activations (a prefill's memory). Its error against an fp64 reference stays within a small
     multiple of PEFT's own bf16 error, and the adapter's contribution is far larger than either."""
-    from flexrollout.models.base import linear
+    from flexrollout.layers.linear import linear, read_linear
 
     model, _ = make_tiny_model("llama")
     pm = get_peft_model(model.to(torch.bfloat16), LoraConfig(r=4, lora_alpha=8, target_modules=ALL)).eval()
@@ -193,7 +192,7 @@ def test_fp32_adapter_over_bf16_base_matches_peft_within_bf16_rounding():
     with torch.no_grad():
         lora_b.normal_(0, 0.2)
         x = torch.randn(96, module.in_features, dtype=torch.bfloat16)
-        ours, theirs = linear(x, module), module(x)
+        ours, theirs = linear(x, read_linear(module)), module(x)
         x64 = x.double()
         base = x64 @ module.base_layer.weight.double().T
         ref = base + module.scaling["default"] * (x64 @ lora_a.double().T) @ lora_b.double().T

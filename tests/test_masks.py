@@ -55,3 +55,19 @@ def test_pages_before_the_last_are_full_blocks():
     for r, p in enumerate(positions):
         assert int(mask.kv_indices[r, 0, 0, 0]) == int(rows[r, p // PAGE])      # the partial page
         assert mask.full_kv_indices[r, 0, 0, :p // PAGE].tolist() == rows[r, :p // PAGE].tolist()
+
+
+def test_sliding_decode_mask_lists_only_pages_inside_the_window():
+    """A sliding layer's decode reads O(window) pages, not the whole context: the listed pages
+    are exactly those holding a position inside the window."""
+    positions, window = [0, 5, 13, 22, 23], 6
+    rows, page_logical = _table(positions, max_pages=6, seed=2)
+    pos = torch.tensor(positions)
+    mask = decode_block_mask(rows, pos // PAGE + 1, pos, page_logical, PAGE, 1,
+                             page_logical.numel() * PAGE, window)
+    assert mask.kv_indices.shape[-1] <= -(-window // PAGE) + 1
+    for r, p in enumerate(positions):
+        count = int(mask.kv_num_blocks[r, 0, 0])
+        listed = mask.kv_indices[r, 0, 0, :count].tolist()
+        inside = sorted({int(rows[r, t // PAGE]) for t in range(max(0, p - window + 1), p + 1)})
+        assert sorted(listed) == inside, r

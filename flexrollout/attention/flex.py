@@ -6,15 +6,16 @@ and flex's fused decode kernel sees no GQA at all.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from ..compile import compiled
+from ..spec import LayerSpec
 from .reference import dense_view, reference_attention
-
-_compiled: dict[bool, object] = {}
 
 
 # Two code objects, so the static (decode) and dynamic (prefill) compilations keep separate caches.
@@ -26,22 +27,16 @@ def _flex_prefill(*args, **kwargs):
     return flex_attention(*args, **kwargs)
 
 
-def _flex(device: torch.device, decode: bool):
-    """The fused (compiled) kernels on CUDA; flex's unfused reference elsewhere.
+@functools.cache
+def _flex_compiled(decode: bool):
+    """Decode compiles with static shapes, one specialisation per graph bucket, because flex
+    picks its fused decode kernel only for a static batch. Prefill shapes vary with packing."""
+    return compiled(_flex_decode if decode else _flex_prefill, fullgraph=True, dynamic=not decode)
 
-    Decode compiles with static shapes, one specialisation per graph bucket, because flex picks
-    its fused decode kernel only for a static batch. Prefill shapes vary with packing: dynamic.
-    """
-    if device.type != "cuda":
-        return flex_attention
-    if decode not in _compiled:
-        # One decode specialisation per batch bucket must not hit dynamo's recompile limit.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, 512)
-        wrapper = _flex_decode if decode else _flex_prefill
-        _compiled[decode] = torch.compile(wrapper, fullgraph=True, dynamic=not decode)
-    return _compiled[decode]
+
+def _flex(device: torch.device, decode: bool):
+    """The fused (compiled) kernels on CUDA; flex's unfused reference elsewhere."""
+    return _flex_compiled(decode) if device.type == "cuda" else flex_attention
 
 
 @dataclass
@@ -51,7 +46,8 @@ class AttentionMetadata:
     positions: torch.Tensor          # (T,) position of each token
     slot_mapping: torch.Tensor       # (T,) flat KV slot each token's K/V is written to
     decode: bool                     # one token per sequence (True) or packed prefill (False)
-    block_masks: dict[int | None, BlockMask]   # keyed by sliding window (None = full attention)
+    # Decode: keyed by LayerSpec.mask_key (window, GQA group); prefill: keyed by window.
+    block_masks: dict[Any, BlockMask]
     kernel_options: dict[str, Any] = field(default_factory=dict)
     # "flex" (fused kernels; CUDA) or "reference" (dense mask_mod evaluation; CPU).
     backend: str = "flex"
@@ -60,11 +56,15 @@ class AttentionMetadata:
     lora: Any = None
     _dense: dict = field(default_factory=dict, repr=False)
 
-    def dense(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gathered slots and mask for the reference backend, built once per step per window."""
-        if window not in self._dense:
-            self._dense[window] = dense_view(self.block_masks[window], self.decode)
-        return self._dense[window]
+    def block_mask(self, spec: LayerSpec) -> BlockMask:
+        return self.block_masks[spec.mask_key if self.decode else spec.window]
+
+    def dense(self, spec: LayerSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered slots and mask for the reference backend, built once per step per window
+        (the same for every GQA group: the dense view evaluates one query row per sequence)."""
+        if spec.window not in self._dense:
+            self._dense[spec.window] = dense_view(self.block_mask(spec), self.decode)
+        return self._dense[spec.window]
 
 
 def decode_kernel_options(opts: dict | None, batch: int, num_kv_heads: int, max_pages: int,
@@ -92,24 +92,30 @@ def decode_kernel_options(opts: dict | None, batch: int, num_kv_heads: int, max_
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-    """q: (T, Hq, D) -> (T, Hq * D), attending the cache through the metadata's block mask."""
+                    meta: AttentionMetadata, spec: LayerSpec,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: (T, Hq, D) -> (T, Hq * D), attending the cache through the layer's block mask.
+
+    `sinks` (Hq,): one learned logit per head that joins the softmax without a value (gpt-oss).
+    Its effect is exact as a rescaling of the output: softmax over the keys and the sink is the
+    keys' softmax times sigmoid(lse - sink), lse the keys' log-sum-exp."""
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     if meta.backend == "reference":
-        slots, mask = meta.dense(window)
-        out = reference_attention(q, k_cache, v_cache, slots, mask, scale)
+        slots, mask = meta.dense(spec)
+        out = reference_attention(q, k_cache, v_cache, slots, mask, spec.attention_scale, sinks)
         return out.reshape(tokens, num_heads * head_dim)
-    block_mask = meta.block_masks[window]
+    block_mask = meta.block_mask(spec)
     flex = _flex(q.device, meta.decode)
     opts = meta.kernel_options or None
+    lse_wanted = sinks is not None
     if meta.decode:
-        group = num_heads // num_kv_heads
-        q4 = q.view(tokens, num_kv_heads, group, head_dim)
+        q4 = q.view(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
         if q.is_cuda:
             opts = decode_kernel_options(opts, tokens, num_kv_heads, block_mask.kv_indices.shape[-1],
                                          q.device)
-        out = flex(q4, k_cache, v_cache, block_mask=block_mask, scale=scale, kernel_options=opts)
+        out = flex(q4, k_cache, v_cache, block_mask=block_mask, scale=spec.attention_scale,
+                   kernel_options=opts, return_lse=lse_wanted)
     else:
         # A packed prefill shorter than 128 tokens would otherwise be routed to flex's decode
         # kernel, whose BLOCK_M (next power of two of tokens x GQA group) can exceed the 128-row
@@ -117,7 +123,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # (EngineConfig.flex_kernel_options are tuned for the decode kernel and not passed here.)
         opts = {"FORCE_USE_FLEX_ATTENTION": True}
         q4 = q.transpose(0, 1).unsqueeze(0)
-        out = flex(q4, k_cache, v_cache, block_mask=block_mask, scale=scale,
-                   enable_gqa=num_heads != num_kv_heads, kernel_options=opts)
+        out = flex(q4, k_cache, v_cache, block_mask=block_mask, scale=spec.attention_scale,
+                   enable_gqa=num_heads != num_kv_heads, kernel_options=opts, return_lse=lse_wanted)
+    if lse_wanted:
+        out, lse = out
+    if not meta.decode:        # (1, Hq, T, ...) -> (T, Hq, ...)
         out = out.squeeze(0).transpose(0, 1)
+        lse = lse.squeeze(0).transpose(0, 1) if lse_wanted else None
+    out = out.reshape(tokens, num_heads, head_dim)
+    if lse_wanted:
+        out = out * torch.sigmoid(lse.reshape(tokens, num_heads).float() - sinks.float())[..., None].to(out.dtype)
     return out.reshape(tokens, num_heads * head_dim)

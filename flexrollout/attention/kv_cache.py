@@ -1,13 +1,27 @@
-"""Paged KV cache tensors: one (1, kv_heads, num_pages * page_size, head_dim) pair per layer.
+"""The cache manager: every layer's KV storage, its layout, and the writes into it.
 
-Flat slot `s` lives on page `s // page_size`. Page 0 is the padding page: padded graph rows and
-padded prefill tokens write there and attend only there, so padding never touches real data.
+Layout: one (1, kv_heads, num_pages * page_size, head_dim) tensor for K and one for V per layer
+that owns KV. Flat slot `s` lives on page `s // page_size`; page 0 is the padding page (padded
+graph rows and padded prefill tokens write there and attend only there). A layer that reads an
+earlier layer's KV (`LayerSpec.kv_source`) is handed that layer's tensors and never writes; a
+linear-attention layer has no KV at all. `store_kv` is the one place K/V are written (the q/k/v
+epilogue kernel reads the layout from the tensors' strides).
 """
 from __future__ import annotations
 
 import torch
 
-from ..models.base import LayerSpec
+from ..spec import LayerSpec
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write K/V of shape (tokens, kv_heads, head_dim) at flat slots (tokens,).
+
+    An `index_copy_` on the whole 4-D tensor: inside a compiled region a write through a view of
+    the cache made inductor copy the whole cache."""
+    k_cache.index_copy_(2, slot_mapping, k.transpose(0, 1)[None].to(k_cache.dtype))
+    v_cache.index_copy_(2, slot_mapping, v.transpose(0, 1)[None].to(v_cache.dtype))
 
 
 class KVCache:
@@ -18,8 +32,8 @@ class KVCache:
         self.page_size = page_size
         self.dtype = dtype
         self.device = device
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
         self.allocate()
 
     @property
@@ -31,38 +45,43 @@ class KVCache:
         self.k, self.v = [], []
         for spec in self.layers:
             if spec.kv_source is not None:
-                # KV-sharing layers read an earlier layer's cache and never write.
                 self.k.append(self.k[spec.kv_source])
                 self.v.append(self.v[spec.kv_source])
-                continue
-            shape = (1, spec.num_kv_heads, num_slots, spec.head_dim)
-            self.k.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
-            self.v.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            elif spec.owns_kv:
+                shape = (1, spec.num_kv_heads, num_slots, spec.head_dim)
+                self.k.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+                self.v.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            else:
+                self.k.append(None)
+                self.v.append(None)
 
     def release(self) -> None:
         """Drop the cache tensors (sleep); `allocate` makes new, empty ones."""
         self.k, self.v = [], []
 
     @staticmethod
-    def bytes_per_page(layers: list[LayerSpec], page_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(layers: list[LayerSpec], dtype: torch.dtype) -> int:
+        """KV bytes one token occupies: layers that read another layer's KV add nothing."""
         elem = torch.empty((), dtype=dtype).element_size()
-        per_token = sum(2 * s.num_kv_heads * s.head_dim for s in layers if s.kv_source is None)
-        return per_token * page_size * elem
+        return sum(2 * s.num_kv_heads * s.head_dim for s in layers if s.owns_kv) * elem
+
+    @staticmethod
+    def bytes_per_page(layers: list[LayerSpec], page_size: int, dtype: torch.dtype) -> int:
+        return KVCache.bytes_per_token(layers, dtype) * page_size
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store K/V of shape (tokens, kv_heads, head_dim) at flat slots (tokens,)."""
-        self.k[layer][0].index_copy_(1, slot_mapping, k.transpose(0, 1).to(self.k[layer].dtype))
-        self.v[layer][0].index_copy_(1, slot_mapping, v.transpose(0, 1).to(self.v[layer].dtype))
+        """Store a layer's K/V (tokens, kv_heads, head_dim) at flat slots (tokens,)."""
+        store_kv(self.k[layer], self.v[layer], k, v, slot_mapping)
+
+    def owned(self):
+        """(K, V) of every layer that owns its KV, each pair once."""
+        return [(k, v) for spec, k, v in zip(self.layers, self.k, self.v) if spec.owns_kv]
 
     def copy_pages(self, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
         """Copy whole pages in every layer (copy-on-write of a shared, partly filled page)."""
         offsets = torch.arange(self.page_size, device=src_pages.device)
         src = (src_pages[:, None] * self.page_size + offsets).flatten()
         dst = (dst_pages[:, None] * self.page_size + offsets).flatten()
-        seen: set[int] = set()
-        for k, v in zip(self.k, self.v):
-            if id(k) in seen:
-                continue
-            seen.add(id(k))
+        for k, v in self.owned():
             k[0].index_copy_(1, dst, k[0].index_select(1, src))
             v[0].index_copy_(1, dst, v[0].index_select(1, src))

@@ -17,12 +17,23 @@ from torch.nn.attention.flex_attention import BlockMask
 Q_BLOCK = 128
 
 
-def _visible(table_row_page: torch.Tensor, page: torch.Tensor, logical: torch.Tensor,
-             q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    ok = (table_row_page == page) & (logical <= q_pos)
-    if window is not None:
-        ok = ok & (logical > q_pos - window)
-    return ok
+def _paged_mask_mod(page_of, position_of, page_logical: torch.Tensor, page_size: int,
+                    window: int | None):
+    """The mask_mod of both masks: KV slot `kv_idx` is visible to a query when its page is the
+    query's sequence's page at the slot's logical index, and its logical position is causal (and
+    inside the window). `page_of(b, q_idx, logical_page)` and `position_of(b, q_idx)` say where
+    the query's page-table row and position come from."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        page = kv_idx // page_size
+        lp = page_logical[page]
+        logical = lp * page_size + kv_idx % page_size
+        q_pos = position_of(b, q_idx)
+        ok = (page_of(b, q_idx, lp) == page) & (logical <= q_pos)
+        if window is not None:
+            ok = ok & (logical > q_pos - window)
+        return ok
+
+    return mask_mod
 
 
 def decode_block_mask(rows: torch.Tensor, num_pages: torch.Tensor, q_pos: torch.Tensor,
@@ -36,18 +47,20 @@ def decode_block_mask(rows: torch.Tensor, num_pages: torch.Tensor, q_pos: torch.
     Without a window, every page before the last is whole and wholly visible, so it is listed
     as a full block, which flex reads without evaluating mask_mod; only the last page is
     partial (8-9% less attention time at batch 1 and 64 on the H200, benchmarks/attention_sweep.py).
-    mask_mod stays exact everywhere: the reference backend evaluates it on both lists.
+    With a window, only the pages the window reaches are listed (at most ceil(W / page) + 1), so
+    a sliding layer's decode reads O(window), not O(context). mask_mod stays exact everywhere:
+    the reference backend evaluates it on both lists.
     """
-    def mask_mod(b, h, q_idx, kv_idx):
-        page = kv_idx // page_size
-        lp = page_logical[page]
-        logical = lp * page_size + kv_idx % page_size
-        return _visible(rows[b, lp], page, logical, q_pos[b], window)
-
+    mask_mod = _paged_mask_mod(lambda b, q, lp: rows[b, lp], lambda b, q: q_pos[b],
+                               page_logical, page_size, window)
     num_pages = num_pages.to(torch.int32)
     if window is not None:
+        span = min(rows.shape[1], -(-window // page_size) + 1)
+        first = ((q_pos - window + 1).clamp(min=0) // page_size).to(torch.int32)
+        offsets = torch.arange(span, device=rows.device, dtype=torch.int32)
+        listed = rows.gather(1, (first[:, None] + offsets).clamp(max=rows.shape[1] - 1).long())
         return BlockMask.from_kv_blocks(
-            num_pages[:, None, None], rows[:, None, None, :], BLOCK_SIZE=(Q_BLOCK, page_size),
+            (num_pages - first)[:, None, None], listed[:, None, None, :], BLOCK_SIZE=(Q_BLOCK, page_size),
             mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=False)
     last = rows.gather(1, (num_pages.long() - 1)[:, None])
     partial = torch.cat([last, rows[:, 1:]], dim=1)
@@ -67,12 +80,8 @@ def prefill_block_mask(table: torch.Tensor, q_slot: torch.Tensor, q_pos: torch.T
     table: (slots, max_pages) device page table; kv_indices (q_blocks, n) / kv_num_blocks
     (q_blocks,) list the pages each 128-token query block may touch (see `prefill_page_lists`).
     """
-    def mask_mod(b, h, q_idx, kv_idx):
-        page = kv_idx // page_size
-        lp = page_logical[page]
-        logical = lp * page_size + kv_idx % page_size
-        return _visible(table[q_slot[q_idx], lp], page, logical, q_pos[q_idx], window)
-
+    mask_mod = _paged_mask_mod(lambda b, q, lp: table[q_slot[q], lp], lambda b, q: q_pos[q],
+                               page_logical, page_size, window)
     return BlockMask.from_kv_blocks(
         kv_num_blocks[None, None].to(torch.int32), kv_indices[None, None].to(torch.int32),
         BLOCK_SIZE=(Q_BLOCK, page_size), mask_mod=mask_mod,

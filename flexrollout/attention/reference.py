@@ -45,9 +45,10 @@ def _row_pages(kv_indices: torch.Tensor, kv_num_blocks: torch.Tensor):
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slots: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+                        slots: torch.Tensor, mask: torch.Tensor, scale: float,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: (T, Hq, D) -> (T, Hq, D). slots: (S',) shared by all rows or (T, L) per row;
-    mask: (T, S') or (T, L) over them."""
+    mask: (T, S') or (T, L) over them; sinks: (Hq,) extra softmax logits without a value."""
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -57,5 +58,10 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     per_row = slots.dim() == 2
     scores = torch.einsum("thgd,htsd->thgs" if per_row else "thgd,hsd->thgs", q5, k) * scale
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    out = torch.einsum("thgs,htsd->thgd" if per_row else "thgs,hsd->thgd", scores.softmax(dim=-1), v)
+    if sinks is None:
+        weights = scores.softmax(dim=-1)
+    else:
+        sink = sinks.float().view(1, num_kv_heads, group, 1).expand(tokens, -1, -1, 1)
+        weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    out = torch.einsum("thgs,htsd->thgd" if per_row else "thgs,hsd->thgd", weights, v)
     return out.reshape(tokens, num_heads, head_dim).to(q.dtype)

@@ -17,6 +17,7 @@ import torch
 
 from ..attention.kv_cache import KVCache
 from ..config import EngineConfig
+from ..models.base import ForwardOptions
 from ..outputs import Logprob
 from .graphs import DecodeGraphs
 from .detokenizer import append_text, final_text, find_stop_string
@@ -79,7 +80,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.device = device
-        self.spec = forward.spec()
+        self.spec = forward.spec
         self.max_model_len = max_model_len
         self.model_config = ModelConfig(model_name, max_model_len, dtype,
                                         enable_prefix_caching=config.enable_prefix_caching)
@@ -92,9 +93,11 @@ class LLMEngine:
         max_pages_per_seq = -(-max_model_len // self.page_size)
         self.pages = PageTable(num_pages, self.page_size, config.max_num_seqs, max_pages_per_seq, device)
         self.scheduler = Scheduler(self.pages, config.max_num_seqs, self.max_batched_tokens)
-        forward.prepare(max_model_len, compile_layers=device.type == "cuda" and config.compile_layers,
-                        small_rows=config.small_batch_max_rows if config.small_batch_kernels else 0,
-                        mlp_chunk=config.mlp_chunk_tokens)
+        forward.prepare(ForwardOptions(
+            max_len=max_model_len, compile_layers=device.type == "cuda" and config.compile_layers,
+            small_rows=config.small_batch_max_rows if config.small_batch_kernels else 0,
+            mlp_chunk=config.mlp_chunk_tokens, gemv_pdl=config.gemv_pdl,
+            qkv_epilogue=config.qkv_epilogue))
         backend = config.attention_backend
         if backend == "auto":
             backend = "flex" if device.type == "cuda" else "reference"
@@ -106,8 +109,11 @@ class LLMEngine:
         self._pending: PendingDecode | None = None
         page_bytes = KVCache.bytes_per_page(self.spec.layers, self.page_size, dtype)
         self.cache_bytes = num_pages * page_bytes
-        logger.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
-                    self.page_size, (num_pages - 1) * self.page_size, num_pages * page_bytes / 2**20)
+        owning = sum(s.owns_kv for s in self.spec.layers)
+        logger.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB (%d KiB per token; %d of "
+                    "%d layers hold KV)", num_pages - 1, self.page_size,
+                    (num_pages - 1) * self.page_size, num_pages * page_bytes / 2**20,
+                    page_bytes // self.page_size // 1024, owning, len(self.spec.layers))
 
     # -- sizing ------------------------------------------------------------------------------
     def _num_pages(self, dtype: torch.dtype) -> int:

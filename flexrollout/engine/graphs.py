@@ -42,7 +42,7 @@ class DecodeGraphs:
         # `del llm` frees the KV cache and graph pools at once instead of at the next gc pass.
         self.runner = weakref.proxy(runner)
         self.buckets = batch_buckets(max_num_seqs)
-        self.vocab = runner.forward.spec().vocab_size
+        self.vocab = runner.forward.spec.vocab_size
         self._num_int = sum(dtype == torch.long for _, dtype in self._VARS)
         names = [name for name, _ in self._VARS]
         self._top_k_row, self._top_p_row = names.index("top_k"), names.index("top_p")

@@ -1,7 +1,8 @@
 """One prefill step and one decode step: host lists in, sampled tokens out.
 
 The runner owns the KV cache and builds the attention metadata from the page table. It knows
-nothing about any architecture beyond the `ModelSpec` the forward class gives it.
+nothing about any architecture beyond the `ModelSpec` the forward gives it: one prefill mask per
+sliding window, one decode mask per (window, GQA group) that some layer uses.
 
 Async decode: a step may be launched before the previous step's tokens reach the host. Every
 decode step leaves its sampled ids in `slot_tokens` (indexed by batch slot), and a row whose
@@ -29,11 +30,9 @@ class ModelRunner:
         self.cache = cache
         self.pages = pages
         self.device = device
-        spec = forward.spec()
-        self.windows = sorted({s.window for s in spec.layers}, key=lambda w: (w is not None, w))
+        self.windows = forward.spec.windows
+        self.mask_keys = forward.spec.mask_keys
         self.kv_len = pages.num_pages * pages.page_size
-        first = spec.layers[0]
-        self.decode_group = forward.num_heads // first.num_kv_heads
         self.graphs = None      # set by LLMEngine when CUDA graphs are enabled
         # The last id each slot sampled in decode (slot 0 absorbs padding rows). Fixed address:
         # captured graphs read and write it.
@@ -103,8 +102,9 @@ class ModelRunner:
         size = self.pages.page_size
         rows = self.pages.table[slots]
         num_pages = (positions // size + 1).to(torch.int32)
-        masks = {w: decode_block_mask(rows, num_pages, positions, self.pages.page_logical, size,
-                                      self.decode_group, self.kv_len, w) for w in self.windows}
+        masks = {(window, group): decode_block_mask(rows, num_pages, positions, self.pages.page_logical,
+                                                    size, group, self.kv_len, window)
+                 for window, group in self.mask_keys}
         meta = AttentionMetadata(positions, slot_mapping, decode=True, block_masks=masks,
                                  backend=self.backend, lora=lora, kernel_options=self.kernel_options)
         return self.forward.forward(input_ids, meta, self.cache)

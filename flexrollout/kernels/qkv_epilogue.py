@@ -24,14 +24,11 @@ import functools
 import torch
 
 
-# A module switch so benchmarks can measure the inductor path it replaces.
-ENABLED = True
-
-
 def supported(head_dim: int, k_cache: torch.Tensor) -> bool:
-    """A power-of-two head (the kernel's half-head arange) and a contiguous (1, H, S, D) cache."""
-    return (ENABLED and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and k_cache.dim() == 4
-            and k_cache.is_contiguous())
+    """A power-of-two head (the kernel's half-head arange) and a (1, H, S, D) cache whose head
+    rows are contiguous (the kernel reads the head stride from the tensor)."""
+    return (head_dim >= 16 and head_dim & (head_dim - 1) == 0 and k_cache.dim() == 4
+            and k_cache.stride(-1) == 1 and k_cache.stride(-2) == head_dim)
 
 
 @functools.cache
@@ -42,7 +39,7 @@ def _kernel():
     @triton.jit
     def qkv_epilogue_kernel(q_src, k_src, v_src, stride_split, stride_q, stride_k, stride_v,
                             bq, bk, bv, qn_w, kn_w, cos, sin, stride_rope, q_out, k_cache,
-                            v_cache, slots, cache_head_stride, eps,
+                            v_cache, slots, cache_head_stride, cache_slot_stride, eps,
                             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                             HALF: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                             HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
@@ -85,9 +82,9 @@ def _kernel():
         else:
             slot = tl.load(slots + token)
             if head < NUM_HEADS + NUM_KV_HEADS:
-                out = k_cache + index * cache_head_stride + slot * 2 * HALF
+                out = k_cache + index * cache_head_stride + slot * cache_slot_stride
             else:
-                out = v_cache + index * cache_head_stride + slot * 2 * HALF
+                out = v_cache + index * cache_head_stride + slot * cache_slot_stride
         tl.store(out + offs, x1.to(out.dtype.element_ty))
         tl.store(out + HALF + offs, x2.to(out.dtype.element_ty))
 
@@ -127,7 +124,8 @@ def qkv_epilogue(q_src: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor,
         srcs[0], srcs[1], srcs[2], srcs[0].stride(0), srcs[0].stride(1), srcs[1].stride(1),
         srcs[2].stride(1), bq if has_bias else dummy, bk if has_bias else dummy,
         bv if has_bias else dummy, qn_w if has_norm else dummy, kn_w if has_norm else dummy,
-        cos, sin, cos.stride(0), q, k_cache, v_cache, slot_mapping, k_cache.stride(1), eps,
+        cos, sin, cos.stride(0), q, k_cache, v_cache, slot_mapping, k_cache.stride(1),
+        k_cache.stride(2), eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, SPLIT=split,
         HAS_BIAS=has_bias, HAS_NORM=has_norm, DTYPE=tl_dtype(cos.dtype),
         num_warps=1)

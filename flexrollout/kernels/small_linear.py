@@ -37,11 +37,6 @@ BLOCK_N = 64
 # (o_proj, 40 blocks: split 8 reads 2.84 TB/s at M = 1, split 2 2.72; benchmarks/gemv_sweep.py.)
 MIN_PROGRAMS = 256
 MAX_SPLIT = 8
-# Launch with programmatic dependent launch where the GPU has it (Hopper on). A module switch so
-# benchmarks can measure without it.
-PDL = True
-
-
 @dataclass(frozen=True)
 class Tiling:
     """How one launch cuts the work: weight rows per program, K per loop step, K splits."""
@@ -178,22 +173,23 @@ def _out_dtype(x: torch.Tensor, silu_mul: bool) -> torch.dtype:
 
 @torch.library.custom_op("flexrollout::small_linear", mutates_args=())
 def small_linear(x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor | None = None,
-                 w2: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+                 w2: torch.Tensor | None = None, silu_mul: bool = False,
+                 pdl: bool = True) -> torch.Tensor:
     """fp32 partials (split, M, N) of x @ [w0; w1; w2]^T, or SiLU(x w0^T) * (x w1^T) as
-    (1, M, N) in x's dtype."""
+    (1, M, N) in x's dtype. `pdl`: allow programmatic dependent launch (where the GPU has it)."""
     tile = _tiling_of(x, w0, w1, w2, silu_mul)
     if not x.is_cuda:
         return _reference(x, w0, w1, w2, silu_mul, tile.split)
-    return launch(x, w0, w1, w2, silu_mul, tile)
+    return launch(x, w0, w1, w2, silu_mul, tile, pdl=pdl and _pdl_ok(x.device.index or 0))
 
 
 def _tiling_of(x, w0, w1, w2, silu_mul: bool) -> Tiling:
     return tiling(x.shape[0], _out_width(w0, w1, w2, silu_mul), x.shape[1], silu_mul, x.dtype)
 
 
-def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool | None = None) -> torch.Tensor:
+def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False) -> torch.Tensor:
     """Run the Triton kernel (CUDA, or Triton's interpreter on CPU tensors in tests).
-    `pdl`: launch with programmatic dependent launch (default: on CUDA from Hopper on)."""
+    `pdl`: launch with programmatic dependent launch (Hopper on)."""
     import triton
 
     m, k = x.shape
@@ -205,8 +201,6 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool | None = None)
     n1 = 0 if w1 is None or silu_mul else w1.shape[0]
     n2 = 0 if w2 is None else w2.shape[0]
     blocks = [triton.cdiv(n, tile.block_n) for n in (n0, n1, n2)]
-    if pdl is None:
-        pdl = PDL and x.is_cuda and _pdl_ok(x.device.index if x.device.index is not None else 0)
     extra = {"launch_pdl": True} if pdl else {}
     _kernel()[(sum(blocks), tile.split)](
         x, w0, w0 if w1 is None else w1, w0 if w2 is None else w2, out, m, k, k // tile.split,
@@ -218,7 +212,7 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool | None = None)
 
 
 @small_linear.register_fake
-def _(x, w0, w1=None, w2=None, silu_mul=False):
+def _(x, w0, w1=None, w2=None, silu_mul=False, pdl=True):
     split = _tiling_of(x, w0, w1, w2, silu_mul).split
     return x.new_empty(split, x.shape[0], _out_width(w0, w1, w2, silu_mul),
                        dtype=_out_dtype(x, silu_mul))
@@ -236,9 +230,9 @@ def _reference(x, w0, w1, w2, silu_mul: bool, split: int) -> torch.Tensor:
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-            max_rows: int = MAX_ROWS) -> torch.Tensor:
+            max_rows: int = MAX_ROWS, pdl: bool = True) -> torch.Tensor:
     """`F.linear` that routes small CUDA batches through the kernel (same dtype out)."""
     if not supported(x, weight, max_rows):
         return F.linear(x, weight, bias)
-    out = small_linear(x, weight).sum(0).to(x.dtype)
+    out = small_linear(x, weight, pdl=pdl).sum(0).to(x.dtype)
     return out if bias is None else out + bias

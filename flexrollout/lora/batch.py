@@ -18,13 +18,11 @@ class LoraBatch:
     def build(token_adapters: list[Adapter | None], device: torch.device) -> "LoraBatch | None":
         return LoraBatch(token_adapters, device) if any(token_adapters) else None
 
-    def add(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out + scaling * B(A x) for the rows of each adapter that adapts this projection."""
+    def terms(self, layer: int, proj: str) -> tuple:
+        """(A, B, scaling, rows) of each adapter of this step that adapts this projection."""
+        terms = []
         for adapter, rows in self.groups:
             weights = adapter.weights.get((layer, proj))
-            if weights is None:
-                continue
-            a, b, scaling = weights
-            delta = (x.index_select(0, rows).to(a.dtype) @ a.T) @ b.T
-            out = out.index_add(0, rows, (delta * scaling).to(out.dtype))
-        return out
+            if weights is not None:
+                terms.append((*weights, rows))
+        return tuple(terms)

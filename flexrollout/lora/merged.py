@@ -13,12 +13,14 @@ import logging
 
 import torch
 
+from .live import active_adapters, is_lora_layer
+
 logger = logging.getLogger(__name__)
 
 
 def _lora_modules(model: torch.nn.Module):
     for name, module in model.named_modules():
-        if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+        if is_lora_layer(module):
             yield name, module
 
 
@@ -28,6 +30,9 @@ class MergedLora:
         self.merged: dict[int, torch.Tensor] = {
             id(m): torch.empty_like(m.base_layer.weight) for m in self.modules.values()}
         self._versions: dict[int, tuple] = {}
+
+    def has(self, module: torch.nn.Module) -> bool:
+        return id(module) in self.merged
 
     def weight(self, module: torch.nn.Module) -> torch.Tensor:
         """The weight to multiply by: merged for adapted modules, the plain one otherwise."""
@@ -55,14 +60,8 @@ class MergedLora:
                 raise RuntimeError("lora_mode='merged' needs PEFT's own merge undone (unmerge_adapter())")
             target = self.merged[id(module)]
             target.copy_(module.base_layer.weight)
-            if not module.disable_adapters:
-                for name in module.active_adapters:
-                    if name not in module.lora_A:
-                        continue
-                    if module.use_dora.get(name, False):
-                        raise NotImplementedError("DoRA adapters (use_dora=True) are not supported yet")
-                    a, b = module.lora_A[name].weight, module.lora_B[name].weight
-                    target.add_((b.float() @ a.float() * module.scaling[name]).to(target.dtype))
+            for a, b, scaling in active_adapters(module):
+                target.add_((b.float() @ a.float() * scaling).to(target.dtype))
             self._versions[id(module)] = state
             count += 1
         if count:

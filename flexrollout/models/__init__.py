@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .base import DecoderForward, ForwardOptions
 from .llama import LlamaForward
 
 _FORWARDS = {
@@ -18,10 +19,14 @@ def unwrap_peft(model: torch.nn.Module) -> torch.nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def build_forward(model: torch.nn.Module, dtype: torch.dtype):
+def build_forward(model: torch.nn.Module, dtype: torch.dtype, merged=None) -> DecoderForward:
+    """The forward for `model`'s architecture; `merged`: a MergedLora (lora_mode="merged")."""
     hf = unwrap_peft(model)
     model_type = getattr(hf.config, "model_type", None)
     if model_type not in _FORWARDS:
         raise NotImplementedError(
             f"model_type {model_type!r} is not supported yet; supported: {sorted(_FORWARDS)}")
-    return _FORWARDS[model_type](hf, dtype)
+    return _FORWARDS[model_type](hf, dtype, merged)
+
+
+__all__ = ["DecoderForward", "ForwardOptions", "build_forward", "unwrap_peft"]

@@ -1,76 +1,71 @@
-"""What an architecture tells the engine, and the small ops every forward shares.
+"""The model interface the engine codes against, and the layer loop every architecture shares.
 
-An architecture file holds only forward math over the user's own HF parameters. It describes
-its layers with `LayerSpec`s so the engine can size the KV cache and build masks without knowing
-the architecture: per-layer attention kind, window, KV heads and head_dim, and KV reuse.
+An architecture subclasses `DecoderForward` and supplies, per layer, a `LayerSpec` (what the
+engine must know), two pure tensor functions and their arguments:
+
+- `pre(hidden, *pre_args) -> mixer input`: everything before the token mixer (for attention:
+  input norm, q/k/v, norms, RoPE, the K/V store; it returns the queries);
+- `post(mixer output, residual, *post_args) -> hidden`: everything after it (output projection,
+  residual adds, norms, the feed-forward block).
+
+The loop in `forward` is written once: it runs the mixer between them (paged attention with the
+layer's own mask, window and sinks), compiles `pre` / `post` on CUDA (one compilation serves
+every layer and every batch, the weights being arguments), joins one layer's `post` and the next
+layer's `pre` into one compiled region in decode (the residual add then fuses into the next input
+norm), runs long prefills' `post` in row chunks, and runs steps with `LoRARequest` rows eagerly.
+Projections are `Linear`s read from the model's own modules (live LoRA included), so the same
+functions serve the plain, live-LoRA and merged-LoRA paths.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels.small_linear import project
+from ..attention.flex import AttentionMetadata, paged_attention
+from ..compile import compiled
+from ..kernels import small_linear as gemv
+from ..layers.linear import Kernels, Linear, gemv_ready, linear, read_linear
+from ..lora.live import is_lora_layer
+from ..spec import ATTENTION, LayerSpec, ModelSpec
 
 
 @dataclass(frozen=True)
-class LayerSpec:
-    """The KV-cache needs of one decoder layer."""
+class ForwardOptions:
+    """What the engine's configuration asks of a forward (EngineConfig fills it)."""
 
-    num_kv_heads: int
-    head_dim: int
-    # "full" or "sliding"; linear-attention layers (no KV pages) will say "linear".
-    attention: str = "full"
-    # Sliding window in tokens, the current token included (kv > q - window).
-    window: int | None = None
-    # Index of an earlier layer whose KV this layer reads instead of writing its own.
-    kv_source: int | None = None
+    max_len: int
+    compile_layers: bool = False
+    small_rows: int = 0             # batches up to this many rows use the GEMV kernels (0: never)
+    mlp_chunk: int = 2048           # rows per `post` call in a long prefill
+    gemv_pdl: bool = True
+    qkv_epilogue: bool = True
+
+
+@dataclass(frozen=True)
+class LayerFns:
+    pre: Callable
+    post: Callable
 
 
 @dataclass
-class ModelSpec:
-    """Architecture facts the engine loop needs."""
+class Step:
+    """What one forward's argument builders read."""
 
-    layers: list[LayerSpec]
-    vocab_size: int
-    hidden_size: int
-    max_position_embeddings: int
-    eos_token_ids: list[int] = field(default_factory=list)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama/Qwen3 RMSNorm: normalise in fp32, cast back, then `weight * x` (HF's order)."""
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX rotate-half RoPE. x: (T, heads, head_dim); cos/sin: (T, head_dim) in x's dtype."""
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
-
-
-def rope_tables(inv_freq: torch.Tensor, scaling: float, max_len: int, dtype: torch.dtype):
-    """cos/sin for every position, computed in fp32 as HF does, then cast once."""
-    positions = torch.arange(max_len, device=inv_freq.device, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq.float()[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+    meta: AttentionMetadata
+    cache: object                    # the KVCache
+    rope: dict                       # rope key -> (cos, sin) at this step's positions
+    kernels: Kernels
+    extra: dict                      # per-step tensors an architecture adds (Gemma-4's PLE)
 
 
 def in_row_chunks(fn, chunk: int, x: torch.Tensor, residual: torch.Tensor, *args) -> torch.Tensor:
     """`fn(x, residual, *args)`, `chunk` rows at a time, for a row-wise `fn` (an output row reads
     only the same row of `x` and `residual`). Each chunk's result is written over those rows of
     `residual`, so the activations inside `fn` peak at `chunk` rows' worth, not the prefill's. The
-    caller must own `residual` and not read it again.
-    """
+    caller must own `residual` and not read it again."""
     rows = x.shape[0]
     if rows <= chunk:
         return fn(x, residual, *args)
@@ -80,35 +75,166 @@ def in_row_chunks(fn, chunk: int, x: torch.Tensor, residual: torch.Tensor, *args
     return residual
 
 
-def linear(x: torch.Tensor, module: torch.nn.Module, small_rows: int = 0) -> torch.Tensor:
-    """`module(x)` computed from its parameters, reading through a PEFT LoRA wrapper live.
+def post_then_pre(out, residual, post, post_args: tuple, pre, pre_args: tuple):
+    """One layer's `post` and the next layer's `pre` as one compiled region."""
+    hidden = post(out, residual, *post_args)
+    return pre(hidden, *pre_args), hidden
 
-    A LoRA layer's output is `W x + b + sum_adapters scaling * B(A x)`, taken from PEFT's own
-    tensors so an optimizer step is visible at the next call. Batches of up to `small_rows` rows
-    project the (base) weight with the GEMV kernel; 0 keeps them on F.linear.
-    """
-    base = getattr(module, "base_layer", None)
-    if base is None:
-        return project(x, module.weight, module.bias, small_rows)
-    out = project(x, base.weight, base.bias, small_rows)
-    if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
-        return out
-    for name in module.active_adapters:
-        if name not in module.lora_A:
-            continue
-        if module.use_dora.get(name, False):
-            raise NotImplementedError("DoRA adapters (use_dora=True) are not supported yet")
-        lora_a, lora_b = module.lora_A[name].weight, module.lora_B[name].weight
-        if lora_a.dtype != x.dtype:
-            # PEFT keeps adapters in fp32 over a bf16 base (autocast_adapter_dtype). Casting the
-            # adapter (r x in, out x r) instead of the activations spares a prefill fp32 copies
-            # of (tokens, in) and (tokens, out), which made a LoRA step's peak. The GEMMs
-            # accumulate in fp32 and round once, as PEFT does; A, B and A x are rounded to bf16.
-            lora_a, lora_b = lora_a.to(x.dtype), lora_b.to(x.dtype)
-        low_rank = F.linear(x, lora_a)
-        if out.dim() == 2 and out.dtype == x.dtype:
-            # In place into `out` (ours, just computed): no (tokens, out) delta temporaries.
-            out.addmm_(low_rank, lora_b.T, alpha=module.scaling[name])
-        else:
-            out = out + (F.linear(low_rank, lora_b) * module.scaling[name]).to(out.dtype)
-    return out
+
+class DecoderForward:
+    """Reads the user's HF model in place (no copies, no patched modules). Subclasses define the
+    hooks below; the engine calls `spec`, `prepare`, `refresh`, `forward`, `logits` and
+    `lora_targets`, nothing else."""
+
+    # Projection names a LoRARequest adapter may target, per layer.
+    LORA_TARGETS: tuple[str, ...] = ()
+
+    def __init__(self, hf_model: torch.nn.Module, dtype: torch.dtype, merged=None) -> None:
+        self.hf = hf_model
+        self.dtype = dtype
+        self.merged = merged              # a MergedLora in lora_mode="merged"
+        self.options = ForwardOptions(max_len=0)
+        self.spec = self.build_spec()
+        self.fns = [self.layer_fns(i) for i in range(len(self.spec.layers))]
+        self._compiled: dict = {}
+        self._rope: dict = {}
+        self._linears: list[dict[str, Linear]] = []
+        self._lora_key: tuple = ()
+        self.refresh()
+
+    # -- hooks of an architecture ------------------------------------------------------------
+    def build_spec(self) -> ModelSpec:
+        raise NotImplementedError
+
+    def layer_fns(self, index: int) -> LayerFns:
+        raise NotImplementedError
+
+    def projections(self, index: int) -> dict[str, torch.nn.Module]:
+        """Layer `index`'s projection modules by name (read as `Linear`s, LoRA-aware)."""
+        raise NotImplementedError
+
+    def pre_args(self, index: int, step: Step) -> tuple:
+        raise NotImplementedError
+
+    def post_args(self, index: int, step: Step) -> tuple:
+        raise NotImplementedError
+
+    def rope_tables(self, max_len: int) -> dict:
+        """rope key -> (cos, sin) tables over every position."""
+        raise NotImplementedError
+
+    def embed(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
+        raise NotImplementedError
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def lm_head(self) -> torch.nn.Module:
+        return self.hf.lm_head
+
+    def sinks(self, index: int) -> torch.Tensor | None:
+        return None
+
+    # -- what the engine calls ---------------------------------------------------------------
+    def prepare(self, options: ForwardOptions) -> None:
+        self.options = options
+        self._rope = self.rope_tables(options.max_len)
+        small = options.small_rows if self._gemv_ready() else 0
+        self.options = ForwardOptions(options.max_len, options.compile_layers,
+                                      min(small, gemv.MAX_ROWS), options.mlp_chunk,
+                                      options.gemv_pdl, options.qkv_epilogue)
+
+    def refresh(self) -> bool:
+        """Re-read every projection (before a generate): merged LoRA copies are brought up to
+        date and live adapters switched on or off are seen. True when the set of tensors the
+        decode graphs read changed (they must be re-captured)."""
+        if self.merged is not None:
+            self.merged.refresh()
+        self._linears = [{name: read_linear(module, self.merged)
+                          for name, module in self.projections(i).items()}
+                         for i in range(len(self.spec.layers))]
+        self._head = read_linear(self.lm_head(), self.merged)
+        key = tuple((name, id(p.weight), tuple((id(a), id(b), s) for a, b, s in p.lora))
+                    for layer in self._linears for name, p in layer.items())
+        changed, self._lora_key = key != self._lora_key, key
+        return changed
+
+    def lora_targets(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of each projection a LoRARequest adapter may adapt (layer 0's: the shapes
+        are the same in every layer of the supported families)."""
+        modules = self.projections(0)
+        return {name: tuple(getattr(modules[name], "base_layer", modules[name]).weight.shape)
+                for name in self.LORA_TARGETS if name in modules}
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache) -> torch.Tensor:
+        """input_ids (T,) -> final hidden states (T, hidden)."""
+        step = self._step(input_ids, meta, cache)
+        hidden = self.embed(input_ids, step)
+        layers = self.spec.layers
+        eager = meta.lora is not None or not self.options.compile_layers
+        fused = meta.decode and not eager
+        mixer_in = None     # this layer's `pre` output when the previous region computed it
+        for i, spec in enumerate(layers):
+            fns = self.fns[i]
+            if mixer_in is None:
+                mixer_in = self._fn(fns.pre, eager)(hidden, *self.pre_args(i, step))
+            out = self.mix(i, spec, mixer_in, step)
+            if fused and i + 1 < len(layers):
+                region = self._fn(post_then_pre, eager)
+                mixer_in, hidden = region(out, hidden, fns.post, self.post_args(i, step),
+                                          self.fns[i + 1].pre, self.pre_args(i + 1, step))
+                continue
+            # LoRARequest rows index the whole batch: those steps run unchunked.
+            chunk = self.options.mlp_chunk if meta.lora is None else hidden.shape[0]
+            hidden = in_row_chunks(self._fn(fns.post, eager), chunk, out, hidden,
+                                   *self.post_args(i, step))
+            mixer_in = None
+        return self.final_norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        small = hidden.is_cuda and hidden.shape[0] <= self.options.small_rows
+        return linear(hidden, self._head, Kernels(small=small, pdl=self.options.gemv_pdl)).float()
+
+    # -- the loop's machinery ----------------------------------------------------------------
+    def mix(self, index: int, spec: LayerSpec, mixer_in, step: Step) -> torch.Tensor:
+        """The token mixer of layer `index`: paged attention over its (or its KV source's) cache."""
+        if spec.mixer != ATTENTION:
+            raise NotImplementedError(f"layer {index}: mixer {spec.mixer!r} has no implementation")
+        cache = step.cache
+        return paged_attention(mixer_in, cache.k[index], cache.v[index], step.meta, spec,
+                               self.sinks(index))
+
+    def linear(self, index: int, name: str, step: Step) -> Linear:
+        """Layer `index`'s projection `name`, with this step's LoRARequest rows if any."""
+        p = self._linears[index][name]
+        lora = step.meta.lora
+        return p if lora is None else p.with_rows(lora.terms(index, name))
+
+    def _step(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache) -> Step:
+        positions = meta.positions
+        rope = {key: (cos[positions], sin[positions]) for key, (cos, sin) in self._rope.items()}
+        small = input_ids.is_cuda and input_ids.shape[0] <= self.options.small_rows
+        kernels = Kernels(small=small, pdl=self.options.gemv_pdl,
+                          epilogue=self.options.qkv_epilogue)
+        return Step(meta, cache, rope, kernels, {})
+
+    def _fn(self, fn, eager: bool):
+        """`fn` compiled (once per function, batch dimension dynamic), or as is."""
+        if eager:
+            return fn
+        if fn not in self._compiled:
+            self._compiled[fn] = compiled(fn, dynamic=True, fullgraph=True)
+        return self._compiled[fn]
+
+    def _gemv_ready(self) -> bool:
+        """Every projection's weight can be streamed by the GEMV kernel (CUDA, contiguous,
+        input width a multiple of its block)."""
+        return all(gemv_ready(p) for layer in self._linears for p in layer.values())
+
+    def has_live_lora(self) -> bool:
+        return any(is_lora_layer(m) for i in range(len(self.spec.layers))
+                   for m in self.projections(i).values())
+
+
+def embedding(input_ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return F.embedding(input_ids, weight).to(dtype)

@@ -1,0 +1,118 @@
+"""Projections over the user's own parameters: the base weight, its bias, and LoRA terms.
+
+A `Linear` names the tensors one projection reads, where the model keeps them: the base weight
+(or, in merged LoRA mode, the merged copy), the bias, the live PEFT adapters (A, B, scaling) and,
+for a step with `LoRARequest` rows, the adapters those rows asked for. Layer math takes `Linear`s
+and calls `linear`, so one function serves the plain, the live-LoRA and the LoRARequest paths;
+compiled regions take them as inputs too (dynamo reads their tensors without a recompile per
+instance; only which fields are present specialises).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import small_linear as gemv
+from ..lora.live import active_adapters
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How this step's projections run: the small-batch GEMV kernel (`small`: the batch has at
+    most its row limit; `pdl`: launched with programmatic dependent launch), and the q/k/v
+    epilogue kernel after the projections in decode."""
+
+    small: bool = False
+    pdl: bool = True
+    epilogue: bool = True
+
+
+@dataclass(frozen=True)
+class Linear:
+    weight: torch.Tensor                    # (out, in)
+    bias: torch.Tensor | None = None
+    # Live adapters: (A (r, in), B (out, r), scaling) each, read in place from PEFT.
+    lora: tuple = ()
+    # LoRARequest adapters of some rows of this step: (A, B, scaling, rows) each.
+    row_lora: tuple = ()
+
+    @property
+    def plain(self) -> bool:
+        """Only a weight and bias: the fused kernels may read it."""
+        return not self.lora and not self.row_lora
+
+    def with_rows(self, row_lora: tuple) -> "Linear":
+        return replace(self, row_lora=row_lora)
+
+
+def read_linear(module: torch.nn.Module, merged=None) -> Linear:
+    """What `module(x)` computes, as tensors: through a PEFT LoRA wrapper, its base layer plus
+    its active adapters, or the merged weight when `merged` (a MergedLora) holds one."""
+    base = getattr(module, "base_layer", module)
+    if merged is not None and merged.has(module):
+        return Linear(merged.weight(module), base.bias)
+    return Linear(base.weight, base.bias, tuple(active_adapters(module)))
+
+
+def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Tensor:
+    """x @ W^T + b + sum(scaling * B (A x)) for (T, in) rows."""
+    out = gemv.project(x, p.weight, p.bias, gemv.MAX_ROWS if kernels.small else 0, kernels.pdl)
+    for lora_a, lora_b, scaling in p.lora:
+        out = _add_low_rank(out, x, lora_a, lora_b, scaling)
+    for lora_a, lora_b, scaling, rows in p.row_lora:
+        delta = (x.index_select(0, rows).to(lora_a.dtype) @ lora_a.T) @ lora_b.T
+        out = out.index_add(0, rows, (delta * scaling).to(out.dtype))
+    return out
+
+
+def _add_low_rank(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                  scaling: float) -> torch.Tensor:
+    """out + scaling * B (A x). PEFT keeps adapters in fp32 over a bf16 base; casting the adapter
+    (r x in, out x r) instead of the activations spares a prefill fp32 copies of (tokens, in) and
+    (tokens, out). The GEMMs accumulate in fp32 and round once, as PEFT does."""
+    if lora_a.dtype != x.dtype:
+        lora_a, lora_b = lora_a.to(x.dtype), lora_b.to(x.dtype)
+    low_rank = F.linear(x, lora_a)
+    if out.dim() == 2 and out.dtype == x.dtype and not torch.compiler.is_compiling():
+        # In place into `out` (ours, just computed): no (tokens, out) delta temporaries.
+        return out.addmm_(low_rank, lora_b.T, alpha=scaling)
+    return out + F.linear(low_rank, lora_b) * scaling
+
+
+def gemv_ready(p: Linear) -> bool:
+    """The GEMV kernel can stream this projection's weight."""
+    return gemv.weight_supported(p.weight)
+
+
+def project_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:
+    """Several projections of one input (q/k/v). Small batches of plain projections run as one
+    GEMV launch and come back as fp32 partial sums (split, T, width) each, for a consumer that
+    sums them (the q/k/v epilogue, or `finish_group`); otherwise each is a full (T, out) result
+    with its bias."""
+    if kernels.small and len(projections) <= 3 and all(p.plain for p in projections):
+        widths = [p.weight.shape[0] for p in projections]
+        partials = gemv.small_linear(x, *[p.weight for p in projections], pdl=kernels.pdl)
+        return list(partials.split(widths, dim=-1))
+    return [linear(x, p, kernels) for p in projections]
+
+
+def finish_group(outputs: list[torch.Tensor], projections: list[Linear], dtype: torch.dtype):
+    """`project_group`'s results as (T, out) tensors in `dtype`, biases added."""
+    finished = []
+    for out, p in zip(outputs, projections):
+        if out.dim() == 3:              # GEMV partials: sum, round, then the bias (HF's order)
+            out = out.sum(0).to(dtype)
+            out = out if p.bias is None else out + p.bias
+        finished.append(out)
+    return finished
+
+
+def gated_act(x: torch.Tensor, gate: Linear, up: Linear, act, kernels: Kernels) -> torch.Tensor:
+    """act(gate(x)) * up(x). Small batches with plain SiLU projections run as one GEMV launch
+    whose epilogue applies SiLU(gate) * up."""
+    if kernels.small and act is F.silu and gate.plain and up.plain and gate.bias is None \
+            and up.bias is None:
+        return gemv.small_linear(x, gate.weight, up.weight, silu_mul=True, pdl=kernels.pdl)[0]
+    return act(linear(x, gate, kernels)) * linear(x, up, kernels)

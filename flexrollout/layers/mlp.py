@@ -1,0 +1,30 @@
+"""Feed-forward blocks: the dense gated MLP, and the output projection + residual that precede it."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .linear import Kernels, Linear, gated_act, linear
+
+# HF `hidden_act` names -> the activation of a gated MLP.
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise NotImplementedError(f"hidden_act {name!r} is not supported yet; supported: "
+                                  f"{sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def gated_mlp(h: torch.Tensor, gate: Linear, up: Linear, down: Linear, act,
+              kernels: Kernels) -> torch.Tensor:
+    """down(act(gate(h)) * up(h))."""
+    return linear(gated_act(h, gate, up, act, kernels), down, kernels)
