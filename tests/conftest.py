@@ -204,6 +204,51 @@ def make_tiny_model(
     return model, make_tiny_tokenizer(vocab_size, TINY_EOS)
 
 
+def make_tiny_moe(arch: str, *, layers: int = 3, seed: int = 0, vocab_size: int = TINY_VOCAB, **overrides):
+    """(model, tokenizer): a tiny random mixture-of-experts model, fp32, eval mode.
+
+    ``arch``: ``"qwen3_moe"`` (4 experts, top-2, normalised top-k; layer 1 is a dense MLP through
+    ``mlp_only_layers``) or ``"gpt_oss"`` (4 experts, top-2, sliding window 6 on even layers, so
+    prompts longer than 6 tokens exercise it, attention sinks, biases everywhere). Weights are
+    re-drawn as in ``make_tiny_model`` (sharp q/k, norms 1 + 0.1 N(0, 1)); gpt-oss's sinks are
+    N(0, 1) so they matter, and routers are scaled up so that routing decisions change tokens.
+    """
+    from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1,
+                  eos_token_id=TINY_EOS, pad_token_id=0, tie_word_embeddings=False)
+    if arch == "qwen3_moe":
+        config = Qwen3MoeConfig(intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True,
+                                rms_norm_eps=1e-6, **{**common, **overrides})
+    elif arch == "gpt_oss":
+        config = GptOssConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                              sliding_window=6, rms_norm_eps=1e-5, **{**common, **overrides})
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".layers." not in name:
+                continue
+            if "norm" in name or name.endswith("sinks"):
+                base = 0.0 if name.endswith("sinks") else 1.0
+                scale = 1.0 if name.endswith("sinks") else 0.1
+                param.copy_(base + scale * torch.randn(param.shape, generator=gen))
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+            elif ".gate." in name or ".router." in name:
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    model.eval()
+    assert type(model).__name__ == {"qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}[arch]
+    return model, make_tiny_tokenizer(vocab_size, TINY_EOS)
+
+
 # id -> (arch, kwargs)
 TINY_VARIANTS = {
     "llama": ("llama", {}),

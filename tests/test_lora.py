@@ -97,6 +97,19 @@ def test_lora_request_from_dir_and_mixed_batch(saved_adapter):
     assert llm.list_loras() == {1}
 
 
+def test_lora_request_replaces_the_live_adapter(saved_adapter):
+    """vLLM's rule on a PEFT model: a row's lora_request runs the base model plus that adapter
+    (not on top of the live one); rows without one run the model as the user holds it."""
+    _, tok, path, reference = saved_adapter
+    live, _ = _peft(seed=9)                        # same base weights, another live adapter
+    live_tokens = [_hf(live, p) for p in PROMPTS]
+    assert live_tokens != reference
+    llm = LLM(live, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32)
+    request = LoRARequest("saved", 1, path)
+    assert _gen(llm, lora_request=[request, None, request]) == [reference[0], live_tokens[1], reference[2]]
+    assert _gen(llm) == live_tokens
+
+
 def test_lora_request_in_memory_tensors(saved_adapter):
     base, tok, path, reference = saved_adapter
     llm = LLM(base, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32, enable_lora=True)

@@ -54,6 +54,11 @@ class AttentionMetadata:
     # Per-row LoRA adapters of this step (a `LoraBatch`), or None. It rides along with the
     # attention metadata so forward functions keep one small signature.
     lora: Any = None
+    # The batch slot of each sequence of the step (decode: one per row), and in prefill the
+    # token offsets where each sequence's chunk starts and ends (N + 1 entries): what layers
+    # with a per-sequence state (linear attention) need to find and update it.
+    seq_slots: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
     _dense: dict = field(default_factory=dict, repr=False)
 
     def block_mask(self, spec: LayerSpec) -> BlockMask:

@@ -69,8 +69,12 @@ class ModelRunner:
             masks[window] = prefill_block_mask(
                 self.pages.table, q_slot_t, pos_t, self.pages.page_logical, self.pages.page_size,
                 self.kv_len, kv_indices.to(self.device), num_blocks.to(self.device), window)
+        counts = [count for _, count in chunks]
+        cu_seqlens = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         meta = AttentionMetadata(pos_t, self._tensor(slot_map), decode=False, block_masks=masks,
-                                 backend=self.backend, lora=LoraBatch.build(adapters, self.device))
+                                 backend=self.backend, lora=LoraBatch.build(adapters, self.device),
+                                 seq_slots=self._tensor([seq.slot for seq, _ in chunks]),
+                                 cu_seqlens=cu_seqlens.to(self.device, non_blocking=True))
         return self.forward.forward(self._tensor(ids), meta, self.cache)
 
     def decode_inputs(self, seqs: list[Sequence]) -> dict[str, list[int]]:
@@ -106,7 +110,8 @@ class ModelRunner:
                                                     size, group, self.kv_len, window)
                  for window, group in self.mask_keys}
         meta = AttentionMetadata(positions, slot_mapping, decode=True, block_masks=masks,
-                                 backend=self.backend, lora=lora, kernel_options=self.kernel_options)
+                                 backend=self.backend, lora=lora, kernel_options=self.kernel_options,
+                                 seq_slots=slots)
         return self.forward.forward(input_ids, meta, self.cache)
 
     @torch.inference_mode()

@@ -35,16 +35,18 @@ class Linear:
     bias: torch.Tensor | None = None
     # Live adapters: (A (r, in), B (out, r), scaling) each, read in place from PEFT.
     lora: tuple = ()
-    # LoRARequest adapters of some rows of this step: (A, B, scaling, rows) each.
+    # LoRARequest adapters of some rows of this step: (A, B, scaling, rows) each. Those rows
+    # take their adapter instead of the live ones, which then apply to `live_rows` only.
     row_lora: tuple = ()
+    live_rows: torch.Tensor | None = None
 
     @property
     def plain(self) -> bool:
         """Only a weight and bias: the fused kernels may read it."""
         return not self.lora and not self.row_lora
 
-    def with_rows(self, row_lora: tuple) -> "Linear":
-        return replace(self, row_lora=row_lora)
+    def with_rows(self, row_lora: tuple, live_rows: torch.Tensor) -> "Linear":
+        return replace(self, row_lora=row_lora, live_rows=live_rows)
 
 
 def read_linear(module: torch.nn.Module, merged=None) -> Linear:
@@ -59,12 +61,23 @@ def read_linear(module: torch.nn.Module, merged=None) -> Linear:
 def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Tensor:
     """x @ W^T + b + sum(scaling * B (A x)) for (T, in) rows."""
     out = gemv.project(x, p.weight, p.bias, gemv.MAX_ROWS if kernels.small else 0, kernels.pdl)
-    for lora_a, lora_b, scaling in p.lora:
-        out = _add_low_rank(out, x, lora_a, lora_b, scaling)
+    if p.live_rows is None:
+        for lora_a, lora_b, scaling in p.lora:
+            out = _add_low_rank(out, x, lora_a, lora_b, scaling)
+    else:
+        out = _add_to_rows(out, x, p.live_rows, [(a, b, s) for a, b, s in p.lora])
     for lora_a, lora_b, scaling, rows in p.row_lora:
-        delta = (x.index_select(0, rows).to(lora_a.dtype) @ lora_a.T) @ lora_b.T
-        out = out.index_add(0, rows, (delta * scaling).to(out.dtype))
+        out = _add_to_rows(out, x, rows, [(lora_a, lora_b, scaling)])
     return out
+
+
+def _add_to_rows(out, x, rows, terms) -> torch.Tensor:
+    """out + sum(scaling * B (A x)) on `rows` only."""
+    if not terms or rows.numel() == 0:
+        return out
+    picked = x.index_select(0, rows)
+    delta = sum(F.linear(F.linear(picked, a.to(x.dtype)), b.to(x.dtype)) * s for a, b, s in terms)
+    return out.index_add(0, rows, delta.to(out.dtype))
 
 
 def _add_low_rank(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

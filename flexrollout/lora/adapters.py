@@ -1,9 +1,11 @@
 """Adapters given by `LoRARequest`: a saved PEFT directory or in-memory tensors.
 
-An adapter becomes {(layer index, projection name): (A, B, scaling)} on the engine's device and
-dtype. Its delta is added to the base projection for the rows of the batch that asked for it;
-rows of one batch may use different adapters or none. Everything is validated before any work:
-a missing or malformed adapter is a clear error, never a silent no-op.
+An adapter becomes {(layer index, target name): (A, B, scaling)} on the engine's device and
+dtype. A target is a projection ("q_proj", ...) with A (r, in) and B (out, r), or a stacked
+expert parameter ("experts.gate_up_proj", PEFT's `target_parameters`) with A (E*r, in) and
+B (out, r*E) as PEFT stores them. Rows of a batch that name an adapter run the base model plus
+that adapter; rows of one batch may use different adapters or none. Everything is validated
+before any work: a missing or malformed adapter is a clear error, never a silent no-op.
 """
 from __future__ import annotations
 
@@ -11,14 +13,25 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..lora_request import LoRARequest
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# PEFT nests one ParamWrapper per adapted expert parameter; each level adds a `base_layer.`.
+_EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What an adapter may adapt in a model: (out, in) per projection name, and (experts, out,
+    in) per stacked expert parameter, listed in the experts module's parameter order (PEFT wraps
+    them in that order, the first innermost)."""
+
+    linear: dict[str, tuple[int, int]]
+    experts: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -73,9 +86,41 @@ def _read_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return cfg, load_file(weights_file)
 
 
-def load_adapter(request: LoRARequest, num_layers: int, shapes: dict[str, tuple[int, int]],
+def _target_of(key: str, cfg: dict, targets: Targets, num_layers: int, where: str) -> tuple[int, str, str]:
+    """(layer, target name, "A" or "B") of an adapter tensor's key."""
+    match = _EXPERT_KEY.search(key)
+    if match is not None:
+        layer, depth, which = int(match.group(1)), match.group(2).count("base_layer."), match.group(3)
+        adapted = {p.rsplit(".", 1)[-1] for p in cfg.get("target_parameters") or []}
+        nesting = [name for name in targets.experts if name.split(".", 1)[1] in adapted]
+        if depth >= len(nesting):
+            raise ValueError(f"{where}: tensor {key!r} names no expert parameter of this model "
+                             f"(target_parameters: {sorted(adapted)})")
+        name = nesting[len(nesting) - 1 - depth]        # depth 0 is the outermost wrapper
+    else:
+        match = _KEY.search(key)
+        if match is None:
+            raise ValueError(f"{where}: unexpected tensor {key!r} (only LoRA A/B of "
+                             f"{sorted(targets.linear) + sorted(targets.experts)})")
+        layer, name, which = int(match.group(1)), match.group(2), match.group(3)
+        if name not in targets.linear:
+            raise ValueError(f"{where}: tensor {key!r} names no projection of this model")
+    if layer >= num_layers:
+        raise ValueError(f"{where}: tensor {key!r} names layer {layer}; the model has {num_layers}")
+    return layer, name, which
+
+
+def _expected_shapes(targets: Targets, name: str, rank: int) -> tuple[tuple, tuple]:
+    if name in targets.experts:
+        experts, out_features, in_features = targets.experts[name]
+        return (experts * rank, in_features), (out_features, rank * experts)
+    out_features, in_features = targets.linear[name]
+    return (rank, in_features), (out_features, rank)
+
+
+def load_adapter(request: LoRARequest, num_layers: int, targets: Targets,
                  device: torch.device, dtype: torch.dtype) -> Adapter:
-    """Read and check an adapter. `shapes[proj]` is the base projection's (out, in)."""
+    """Read and check an adapter against what the model has (`targets`)."""
     where = f"LoRARequest({request.lora_name!r}, {request.lora_int_id})"
     if request.lora_tensors is not None:
         cfg, tensors = _config_dict(request.lora_config), request.lora_tensors
@@ -84,40 +129,35 @@ def load_adapter(request: LoRARequest, num_layers: int, shapes: dict[str, tuple[
     _check_config(cfg, where)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        match = _KEY.search(key)
-        if match is None:
-            raise ValueError(f"{where}: unexpected tensor {key!r} (only LoRA A/B of {PROJECTIONS})")
-        layer, proj, which = int(match.group(1)), match.group(2), match.group(3)
-        if proj not in PROJECTIONS or layer >= num_layers:
-            raise ValueError(f"{where}: tensor {key!r} names no projection of this model")
-        pairs.setdefault((layer, proj), {})[which] = tensor
+        layer, name, which = _target_of(key, cfg, targets, num_layers, where)
+        pairs.setdefault((layer, name), {})[which] = tensor
     if not pairs:
         raise ValueError(f"{where}: the adapter has no LoRA tensors")
     weights = {}
-    for (layer, proj), ab in pairs.items():
+    for (layer, name), ab in pairs.items():
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"{where}: layer {layer} {proj} lacks lora_{'B' if 'A' in ab else 'A'}")
-        rank, scaling = _scaling(cfg, proj)
+            raise ValueError(f"{where}: layer {layer} {name} lacks lora_{'B' if 'A' in ab else 'A'}")
+        rank, scaling = _scaling(cfg, name.rsplit(".", 1)[-1])
         a, b = ab["A"], ab["B"]
-        out_features, in_features = shapes[proj]
-        if a.shape != (rank, in_features) or b.shape != (out_features, rank):
-            raise ValueError(f"{where}: layer {layer} {proj} has A {tuple(a.shape)} / B {tuple(b.shape)}, "
-                             f"expected ({rank}, {in_features}) / ({out_features}, {rank})")
-        weights[(layer, proj)] = (a.to(device, dtype), b.to(device, dtype), scaling)
+        shape_a, shape_b = _expected_shapes(targets, name, rank)
+        if a.shape != shape_a or b.shape != shape_b:
+            raise ValueError(f"{where}: layer {layer} {name} has A {tuple(a.shape)} / B {tuple(b.shape)}, "
+                             f"expected {shape_a} / {shape_b}")
+        weights[(layer, name)] = (a.to(device, dtype), b.to(device, dtype), scaling)
     return Adapter(request.lora_int_id, request.lora_name, weights)
 
 
 class AdapterRegistry:
     """Loaded adapters, cached by lora_int_id (vLLM's contract: an id names one adapter)."""
 
-    def __init__(self, num_layers: int, shapes: dict[str, tuple[int, int]], device, dtype) -> None:
-        self.num_layers, self.shapes, self.device, self.dtype = num_layers, shapes, device, dtype
+    def __init__(self, num_layers: int, targets: Targets, device, dtype) -> None:
+        self.num_layers, self.targets, self.device, self.dtype = num_layers, targets, device, dtype
         self.adapters: dict[int, Adapter] = {}
 
     def get(self, request: LoRARequest) -> Adapter:
         if request.lora_int_id not in self.adapters:
             self.adapters[request.lora_int_id] = load_adapter(
-                request, self.num_layers, self.shapes, self.device, self.dtype)
+                request, self.num_layers, self.targets, self.device, self.dtype)
         return self.adapters[request.lora_int_id]
 
     def remove(self, lora_int_id: int) -> bool:

@@ -4,12 +4,16 @@ from __future__ import annotations
 import torch
 
 from .base import DecoderForward, ForwardOptions
+from .gpt_oss import GptOssForward
 from .llama import LlamaForward
+from .qwen3_moe import Qwen3MoeForward
 
 _FORWARDS = {
     "llama": LlamaForward,
     "qwen3": LlamaForward,
     "qwen2": LlamaForward,
+    "qwen3_moe": Qwen3MoeForward,
+    "gpt_oss": GptOssForward,
 }
 
 

@@ -28,6 +28,8 @@ from ..attention.flex import AttentionMetadata, paged_attention
 from ..compile import compiled
 from ..kernels import small_linear as gemv
 from ..layers.linear import Kernels, Linear, gemv_ready, linear, read_linear
+from ..layers.moe import ExpertLora
+from ..lora.adapters import Targets
 from ..lora.live import is_lora_layer
 from ..spec import ATTENTION, LayerSpec, ModelSpec
 
@@ -99,6 +101,7 @@ class DecoderForward:
         self._compiled: dict = {}
         self._rope: dict = {}
         self._linears: list[dict[str, Linear]] = []
+        self.experts: list = []
         self._lora_key: tuple = ()
         self.refresh()
 
@@ -135,6 +138,10 @@ class DecoderForward:
     def sinks(self, index: int) -> torch.Tensor | None:
         return None
 
+    def read_experts(self, index: int):
+        """Layer `index`'s stacked experts (`layers.moe.Experts`), or None without MoE."""
+        return None
+
     # -- what the engine calls ---------------------------------------------------------------
     def prepare(self, options: ForwardOptions) -> None:
         self.options = options
@@ -154,17 +161,28 @@ class DecoderForward:
                           for name, module in self.projections(i).items()}
                          for i in range(len(self.spec.layers))]
         self._head = read_linear(self.lm_head(), self.merged)
-        key = tuple((name, id(p.weight), tuple((id(a), id(b), s) for a, b, s in p.lora))
-                    for layer in self._linears for name, p in layer.items())
+        self.experts = [self.read_experts(i) for i in range(len(self.spec.layers))]
+        key = (tuple((name, id(p.weight), tuple((id(a), id(b), s) for a, b, s in p.lora))
+                     for layer in self._linears for name, p in layer.items()),
+               tuple(_tensor_ids(e) for e in self.experts))
         changed, self._lora_key = key != self._lora_key, key
         return changed
 
-    def lora_targets(self) -> dict[str, tuple[int, int]]:
-        """(out, in) of each projection a LoRARequest adapter may adapt (layer 0's: the shapes
-        are the same in every layer of the supported families)."""
-        modules = self.projections(0)
-        return {name: tuple(getattr(modules[name], "base_layer", modules[name]).weight.shape)
-                for name in self.LORA_TARGETS if name in modules}
+    def lora_targets(self) -> Targets:
+        """What a LoRARequest adapter may adapt: each projection's (out, in) (from the first
+        layer that has it: shapes are the same in every layer of the supported families) and each
+        stacked expert parameter's (experts, out, in)."""
+        linear_shapes, expert_shapes = {}, {}
+        for i in range(len(self.spec.layers)):
+            for name, module in self.projections(i).items():
+                if name in self.LORA_TARGETS:
+                    linear_shapes.setdefault(name, tuple(getattr(module, "base_layer", module).weight.shape))
+            experts = self.experts[i]
+            if experts is not None and not expert_shapes:
+                expert_shapes = {f"experts.{name}": _math_shape(stack, experts.transposed)
+                                 for name, stack in (("gate_up_proj", experts.gate_up),
+                                                     ("down_proj", experts.down))}
+        return Targets(linear_shapes, expert_shapes)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache) -> torch.Tensor:
         """input_ids (T,) -> final hidden states (T, hidden)."""
@@ -208,7 +226,16 @@ class DecoderForward:
         """Layer `index`'s projection `name`, with this step's LoRARequest rows if any."""
         p = self._linears[index][name]
         lora = step.meta.lora
-        return p if lora is None else p.with_rows(lora.terms(index, name))
+        return p if lora is None else p.with_rows(lora.terms(index, name), lora.live_rows)
+
+    def layer_experts(self, index: int, step: Step):
+        """Layer `index`'s stacked experts, with this step's LoRARequest rows if any."""
+        experts, lora = self.experts[index], step.meta.lora
+        if lora is None:
+            return experts
+        groups = tuple((_expert_lora(gate_up), _expert_lora(down), rows)
+                       for gate_up, down, rows in lora.expert_terms(index))
+        return experts.with_rows(groups, lora.live_rows)
 
     def _step(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache) -> Step:
         positions = meta.positions
@@ -234,6 +261,29 @@ class DecoderForward:
     def has_live_lora(self) -> bool:
         return any(is_lora_layer(m) for i in range(len(self.spec.layers))
                    for m in self.projections(i).values())
+
+
+def _math_shape(stack: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
+    """(experts, out, in) of a stacked expert parameter."""
+    experts, d1, d2 = stack.shape
+    return (experts, d2, d1) if transposed else (experts, d1, d2)
+
+
+def _expert_lora(weights):
+    return None if weights is None else ExpertLora(*weights)
+
+
+def _tensor_ids(obj) -> tuple:
+    """Identity of every tensor a (frozen dataclass) argument holds, nested ones included."""
+    if obj is None:
+        return ()
+    ids = []
+    for value in vars(obj).values():
+        if isinstance(value, torch.Tensor):
+            ids.append(id(value))
+        elif hasattr(value, "__dataclass_fields__"):
+            ids.append(_tensor_ids(value))
+    return tuple(ids)
 
 
 def embedding(input_ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,205 @@
+"""Mixture-of-experts blocks: routers, and experts over stacked 3-D parameters read in place.
+
+Experts run through `torch.nn.functional.grouped_mm`: the (token, expert) pairs are sorted by
+expert, each expert's rows multiply its own matrix, and the outputs are weighted and summed back
+per token, as transformers' own grouped_mm path does. Offsets are computed on the device, so the
+step stays one CUDA graph. The whole expert computation is one custom op: compiled regions treat
+it as opaque (inductor accepts grouped_mm only for bf16, and the engine's fp32 parity runs need
+it too), and a faster small-batch kernel can replace its inside without touching the layers.
+
+Expert LoRA (PEFT `target_parameters`, one adapter): per expert e, A_e (r, in) and B_e (out, r)
+read from PEFT's lora_A (E*r, in) and lora_B (out, r*E) in place; the delta B_e (A_e x) is two
+more grouped products over the same sorted rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+# The gated activations of expert MLPs.
+SILU, GELU_TANH, GPT_OSS = "silu", "gelu_tanh", "gpt_oss"
+
+
+def route_softmax_topk(h: torch.Tensor, router_w: torch.Tensor, top_k: int, renormalize: bool):
+    """Qwen3-MoE's router: fp32 softmax over the experts, top-k, optionally renormalised, cast
+    back. Returns (weights (T, k), expert ids (T, k))."""
+    logits = F.linear(h, router_w)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def route_topk_softmax(h: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor | None,
+                       top_k: int):
+    """gpt-oss's router: top-k of the raw logits, then a softmax over those k."""
+    logits = F.linear(h, router_w, router_b)
+    top, ids = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(top, dim=1, dtype=top.dtype), ids
+
+
+@dataclass(frozen=True)
+class ExpertLora:
+    """One adapter on a stacked expert parameter, as PEFT stores it."""
+
+    lora_a: torch.Tensor        # (E * r, in)
+    lora_b: torch.Tensor        # (out, r * E)
+    scaling: float
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The stacked expert parameters of one layer (the model's own tensors)."""
+
+    gate_up: torch.Tensor                 # (E, 2I, H), or (E, H, 2I) when `transposed`
+    down: torch.Tensor                    # (E, H, I), or (E, I, H) when `transposed`
+    gate_up_bias: torch.Tensor | None = None      # (E, 2I)
+    down_bias: torch.Tensor | None = None         # (E, H)
+    transposed: bool = False              # stored [in, out] per expert (gpt-oss)
+    interleaved: bool = False             # gate/up columns alternate (gpt-oss), else [gate; up]
+    act: str = SILU
+    limit: float = 7.0                    # gpt-oss's clamp
+    alpha: float = 1.702                  # gpt-oss's sigmoid slope
+    gate_up_lora: ExpertLora | None = None
+    down_lora: ExpertLora | None = None
+    # LoRARequest rows of this step: (gate_up ExpertLora or None, down ... or None, rows) each;
+    # those rows take their adapter instead of the live ones, which apply to `live_rows` only.
+    row_lora: tuple = ()
+    live_rows: torch.Tensor | None = None
+
+    def with_rows(self, row_lora: tuple, live_rows: torch.Tensor) -> "Experts":
+        return replace(self, row_lora=row_lora, live_rows=live_rows)
+
+
+def experts_forward(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: Experts) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(h[t]) for every token t: (T, H). Rows with a
+    LoRARequest adapter run the experts with it (a nonlinear change: the down adapter reads the
+    activations the gate/up adapter changed), each group of rows on its own."""
+    if ex.live_rows is None:
+        return _experts(h, weights, ids, ex, ex.gate_up_lora, ex.down_lora)
+    out = torch.empty_like(h)
+    groups = [(ex.gate_up_lora, ex.down_lora, ex.live_rows)] + list(ex.row_lora)
+    for gate_up_lora, down_lora, rows in groups:
+        if rows.numel():
+            out[rows] = _experts(h[rows], weights[rows], ids[rows], ex, gate_up_lora, down_lora)
+    return out
+
+
+def _experts(h, weights, ids, ex: Experts, gu: ExpertLora | None, down: ExpertLora | None):
+    return moe_experts(h, weights, ids, ex.gate_up, ex.down, ex.gate_up_bias, ex.down_bias,
+                       ex.transposed, ex.interleaved, ex.act, ex.limit, ex.alpha,
+                       gu.lora_a if gu else None, gu.lora_b if gu else None, gu.scaling if gu else 0.0,
+                       down.lora_a if down else None, down.lora_b if down else None,
+                       down.scaling if down else 0.0)
+
+
+@torch.library.custom_op("flexrollout::moe_experts", mutates_args=())
+def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                transposed: bool, interleaved: bool, act: str, limit: float, alpha: float,
+                gu_lora_a: torch.Tensor | None, gu_lora_b: torch.Tensor | None, gu_scaling: float,
+                down_lora_a: torch.Tensor | None, down_lora_b: torch.Tensor | None,
+                down_scaling: float) -> torch.Tensor:
+    tokens, top_k = ids.shape
+    num_experts = gate_up.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)         # (token, choice) pairs grouped by expert
+    expert_of_row = flat[order]
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=h.device)
+    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)
+    x = h[order // top_k]
+    proj = _grouped(x, gate_up, offs, transposed)
+    if gate_up_bias is not None:
+        proj = proj + gate_up_bias[expert_of_row]
+    if gu_lora_a is not None:
+        proj = proj + _grouped_lora(x, gu_lora_a, gu_lora_b, gu_scaling, offs, num_experts)
+    act_out = _gated(proj, interleaved, act, limit, alpha)
+    out = _grouped(act_out, down, offs, transposed)
+    if down_bias is not None:
+        out = out + down_bias[expert_of_row]
+    if down_lora_a is not None:
+        out = out + _grouped_lora(act_out, down_lora_a, down_lora_b, down_scaling, offs, num_experts)
+    out = out * weights.reshape(-1)[order, None].to(out.dtype)
+    # Back to (token, choice) order; the k outputs of a token sum (in fp32, rounded once).
+    unsorted = torch.empty_like(out).index_copy_(0, order, out)
+    return unsorted.view(tokens, top_k, -1).sum(dim=1).to(h.dtype)
+
+
+@moe_experts.register_fake
+def _(h, weights, ids, gate_up, down, gate_up_bias, down_bias, transposed, interleaved, act, limit,
+      alpha, gu_lora_a, gu_lora_b, gu_scaling, down_lora_a, down_lora_b, down_scaling):
+    return torch.empty_like(h)
+
+
+def _grouped(x: torch.Tensor, stack: torch.Tensor, offs: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """Rows of `x` grouped by expert times each expert's matrix: (S, out)."""
+    return F.grouped_mm(x, stack if transposed else stack.transpose(-2, -1), offs=offs)
+
+
+def _grouped_lora(x, lora_a, lora_b, scaling: float, offs, num_experts: int) -> torch.Tensor:
+    """scaling * B_e (A_e x) for rows grouped by expert. A_e = lora_a.reshape(E, r, in)[e] and
+    B_e = lora_b.reshape(out, r, E)[:, :, e] (PEFT's layout); the adapter is cast to x's dtype
+    (PEFT keeps it in fp32 over a 16-bit base). B's (E, r, out) stack is a copy of the adapter's
+    r * E * out elements: grouped_mm needs a unit stride in each expert's matrix."""
+    a = lora_a.to(x.dtype).reshape(num_experts, -1, lora_a.shape[-1]).transpose(1, 2)   # (E, in, r)
+    b = lora_b.to(x.dtype).reshape(lora_b.shape[0], -1, num_experts).permute(2, 1, 0).contiguous()
+    return F.grouped_mm(F.grouped_mm(x, a, offs=offs), b, offs=offs) * scaling
+
+
+def _gated(proj: torch.Tensor, interleaved: bool, act: str, limit: float, alpha: float) -> torch.Tensor:
+    if interleaved:
+        gate, up = proj[..., ::2], proj[..., 1::2]
+    else:
+        gate, up = proj.chunk(2, dim=-1)
+    if act == SILU:
+        return F.silu(gate) * up
+    if act == GELU_TANH:
+        return F.gelu(gate, approximate="tanh") * up
+    if act == GPT_OSS:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    raise ValueError(f"unknown expert activation {act!r}")
+
+
+def expert_lora_of(wrapper: torch.nn.Module) -> ExpertLora | None:
+    """The active adapter of a PEFT ParamWrapper, or None when it has none (or is merged or
+    disabled). More than one active adapter on an expert stack is not supported."""
+    from ..lora.live import active_adapters
+
+    terms = active_adapters(wrapper)
+    if not terms:
+        return None
+    if len(terms) > 1:
+        raise NotImplementedError("more than one active LoRA adapter on stacked experts")
+    lora_a, lora_b, scaling = terms[0]
+    return ExpertLora(lora_a, lora_b, scaling)
+
+
+def unwrap_param_wrappers(module: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
+    """(the experts module under PEFT's nested ParamWrappers, {parameter name: its wrapper})."""
+    wrappers = {}
+    while hasattr(module, "parameter_name") and hasattr(module, "base_layer"):
+        wrappers[module.parameter_name] = module
+        module = module.base_layer
+    return module, wrappers
+
+
+def read_experts(module: torch.nn.Module, merged=None, **layout) -> Experts:
+    """The stacked experts under `module` (PEFT ParamWrappers unwrapped), with their live expert
+    adapters, or the merged stacks of lora_mode="merged". `layout`: Experts' format fields."""
+    experts, wrappers = unwrap_param_wrappers(module)
+    stacks, adapters = {}, {}
+    for name in ("gate_up_proj", "down_proj"):
+        wrapper = wrappers.get(name)
+        if wrapper is not None and merged is not None and merged.has(wrapper):
+            stacks[name], adapters[name] = merged.weight(wrapper), None
+        else:
+            stacks[name] = getattr(experts, name)
+            adapters[name] = expert_lora_of(wrapper) if wrapper is not None else None
+    return Experts(stacks["gate_up_proj"], stacks["down_proj"],
+                   getattr(experts, "gate_up_proj_bias", None), getattr(experts, "down_proj_bias", None),
+                   gate_up_lora=adapters["gate_up_proj"], down_lora=adapters["down_proj"], **layout)
