@@ -17,6 +17,8 @@
 #           flex decode SPLIT_KV at bs 1 and 8
 #   seventh : Llama-3.2-3B decode 1 / 8 / 64 + prefill, then every GPU test
 #   prefill_ab : Llama-3.2-3B prefill with the q/k/v epilogue on / off / on (64 sequences)
+#   moe_tests : every GPU test
+#   moe   : Qwen3-30B-A3B and gpt-oss-20b decode 1 / 8 / 64 + GRPO against the MoE roofline and HF
 #   final : Qwen3-4B decode at 1 / 8 / 64 + GRPO, then the GPU parity and kernel tests
 #   unsloth : benchmarks/unsloth_grpo.py (carry .whl-unsloth, made by benchmarks/unsloth_wheels.sh)
 out=${1:-/tmp/flexrollout-gpu}
@@ -119,11 +121,23 @@ seventh)
   names="gpu llama tests" ;;
 prefill_ab)
   # Llama-3.2-3B prefill (64 x 512, max_num_seqs 64) with the q/k/v epilogue kernel on and off.
-  ab() { timeout 80 python3 -c "import sys; import flexrollout.kernels.qkv_epilogue as e; e.ENABLED = sys.argv[1] == 'on'
-from flexrollout.cli import main; main(sys.argv[2:])" "$@" 2>&1 | grep -e prefill_tok | cut -c1-200; }
-  pre="bench --preset llama-3.2-3b --workload prefill --batch-sizes 64"
-  { for v in ${AB_ORDER:-on off on}; do echo "epilogue $v"; ab $v $pre; done; } > "$out/prefill_ab.txt"
+  pre="--preset llama-3.2-3b --workload prefill --batch-sizes 64"
+  { for v in ${AB_ORDER:-true false true}; do echo "qkv_epilogue $v"
+      bench 80 $pre --engine-args "{\"qkv_epilogue\": $v}" | grep -e prefill_tok | cut -c1-200; done; } \
+    > "$out/prefill_ab.txt"
   names="gpu prefill_ab" ;;
+moe_tests)
+  # Every GPU test (the MoE ones at real widths included).
+  timeout 560 python3 -m pytest -q -m gpu tests/ 2>&1 | filter | tail -14 > "$out/tests.txt"
+  names="gpu tests" ;;
+moe)
+  # Qwen3-30B-A3B and gpt-oss-20b (random bf16 weights, real sizes): decode at 1 / 8 / 64 against
+  # the MoE roofline (only the experts a step's tokens chose are read), GRPO, HF at the same sizes.
+  for preset in qwen3-30b-a3b gpt-oss-20b; do
+    bench 280 --preset $preset --batch-sizes 1,8,64 --workload decode,grpo --compare hf --hf-max-tokens 32 \
+      --gpu-memory-utilization 0.7 --json "$out/$preset.json" | tail -8 > "$out/$preset.txt"
+  done
+  names="gpu qwen3-30b-a3b gpt-oss-20b" ;;
 lora32)
   lora32
   names="gpu lora32" ;;

@@ -23,16 +23,20 @@ PRESETS = {
     "llama-3.2-1b": dict(arch="llama", hidden=2048, inter=8192, layers=16, heads=32, kv=8, hd=64, vocab=128256, theta=5e5, tie=True, llama3=32.0),
     "llama-3.2-3b": dict(arch="llama", hidden=3072, inter=8192, layers=28, heads=24, kv=8, hd=128, vocab=128256, theta=5e5, tie=True, llama3=32.0),
     "llama-3.1-8b": dict(arch="llama", hidden=4096, inter=14336, layers=32, heads=32, kv=8, hd=128, vocab=128256, theta=5e5, tie=False, llama3=8.0),
+    "qwen3-30b-a3b": dict(arch="qwen3_moe", hidden=2048, inter=6144, moe_inter=768, experts=128, top_k=8, layers=48, heads=32, kv=4, hd=128, vocab=151936, theta=1e6, tie=False),
+    "gpt-oss-20b": dict(arch="gpt_oss", hidden=2880, inter=2880, experts=32, top_k=4, layers=24, heads=64, kv=8, hd=64, vocab=201088, theta=150000.0, tie=False, window=128),
     "tiny-llama": dict(arch="llama", hidden=64, inter=128, layers=2, heads=4, kv=2, hd=16, vocab=512, theta=1e4, tie=False, llama3=8.0),
     "tiny-qwen3": dict(arch="qwen3", hidden=64, inter=128, layers=2, heads=4, kv=2, hd=16, vocab=512, theta=1e6, tie=True),
 }
 
 
-def preset_config(name: str, max_position_embeddings: int = 8192):
-    """A transformers config with the preset's real sizes."""
+def preset_config(name: str, max_position_embeddings: int = 8192, num_layers: int | None = None):
+    """A transformers config with the preset's real sizes (`num_layers`: fewer layers, same widths)."""
     from transformers import LlamaConfig, Qwen3Config
 
-    p = PRESETS[name]
+    p = dict(PRESETS[name], **({"layers": num_layers} if num_layers else {}))
+    if p["arch"] in ("qwen3_moe", "gpt_oss"):
+        return _moe_config(p, max_position_embeddings)
     common = dict(hidden_size=p["hidden"], intermediate_size=p["inter"], num_hidden_layers=p["layers"],
                   num_attention_heads=p["heads"], num_key_value_heads=p["kv"], head_dim=p["hd"],
                   vocab_size=p["vocab"], tie_word_embeddings=p["tie"],
@@ -46,12 +50,61 @@ def preset_config(name: str, max_position_embeddings: int = 8192):
     return cls(rope_parameters=rope, **common)
 
 
-def random_model(name: str, dtype: torch.dtype, device: str, max_position_embeddings: int = 8192):
+def _moe_config(p: dict, max_position_embeddings: int):
+    from transformers import GptOssConfig, Qwen3MoeConfig
+
+    common = dict(hidden_size=p["hidden"], num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
+                  num_key_value_heads=p["kv"], head_dim=p["hd"], vocab_size=p["vocab"],
+                  tie_word_embeddings=p["tie"], max_position_embeddings=max_position_embeddings,
+                  bos_token_id=0, eos_token_id=1)
+    if p["arch"] == "qwen3_moe":
+        return Qwen3MoeConfig(intermediate_size=p["inter"], moe_intermediate_size=p["moe_inter"],
+                              num_experts=p["experts"], num_experts_per_tok=p["top_k"], norm_topk_prob=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": p["theta"]}, **common)
+    # gpt-oss-20b's YaRN: factor 32 over 4096 original positions (its config.json).
+    rope = {"rope_type": "yarn", "rope_theta": p["theta"], "factor": 32.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}
+    return GptOssConfig(intermediate_size=p["inter"], num_local_experts=p["experts"],
+                        num_experts_per_tok=p["top_k"], sliding_window=p["window"], rope_parameters=rope,
+                        **common)
+
+
+def bytes_per_step(llm, model, batch: int, context: float) -> float:
+    """HBM bytes one decode step must read: every weight once, except that an untied input
+    embedding table is read only at the batch's rows and a MoE layer reads only the experts its
+    tokens chose (with random routing E * (1 - (1 - k/E)^B) distinct of E), plus each layer's
+    KV of every sequence (a sliding layer's window at most; a KV-sharing layer none of its own)."""
+    forward = llm.llm_engine.forward
+    total = float(_weight_bytes(model))
+    embed = model.get_input_embeddings().weight
+    if embed.data_ptr() != model.get_output_embeddings().weight.data_ptr():
+        total -= embed.numel() * embed.element_size() * (1 - batch / embed.shape[0])
+    config = model.config
+    top_k = getattr(config, "num_experts_per_tok", 0)
+    for experts in forward.experts:
+        if experts is None:
+            continue
+        stacks = [experts.gate_up, experts.down, experts.gate_up_bias, experts.down_bias]
+        stack_bytes = sum(t.numel() * t.element_size() for t in stacks if t is not None)
+        count = experts.gate_up.shape[0]
+        touched = count * (1 - (1 - top_k / count) ** batch)
+        total -= stack_bytes * (1 - touched / count)
+    elem = torch.empty((), dtype=llm.llm_engine.model_config.dtype).element_size()
+    for spec in llm.llm_engine.spec.layers:
+        if spec.owns_kv:
+            tokens = context if spec.window is None else min(context, spec.window)
+            total += batch * tokens * 2 * spec.num_kv_heads * spec.head_dim * elem
+    return total
+
+
+def random_model(name: str, dtype: torch.dtype, device: str, max_position_embeddings: int = 8192,
+                 num_layers: int | None = None):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
+    config = preset_config(name, max_position_embeddings, num_layers)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(preset_config(name, max_position_embeddings), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
 
 
@@ -208,8 +261,6 @@ def bench(args) -> dict:
     result["startup_s"] = time.perf_counter() - t1
     result["startup_compile_s"] = _compile_seconds()
     result["model_init_s"] = t1 - t0
-    spec = llm.llm_engine.spec
-    kv_per_token = sum(2 * s.num_kv_heads * s.head_dim for s in spec.layers) * torch.empty((), dtype=dtype).element_size()
     rows = []
     engine_peak = 0  # the HF baseline's own KV cache must not count as the engine's peak
     workloads = args.workload.split(",")
@@ -220,7 +271,7 @@ def bench(args) -> dict:
             ctx = args.prompt_len + args.max_tokens / 2
             row = {"workload": "decode", "batch": batch, "tok_s": tok_s, **_spread(rates)}
             if "bandwidth_GBs" in result:
-                roof = batch * result["bandwidth_GBs"] * 1e9 / (weights + batch * ctx * kv_per_token)
+                roof = batch * result["bandwidth_GBs"] * 1e9 / bytes_per_step(llm, model, batch, ctx)
                 row.update(roofline_tok_s=roof, roofline_pct=100 * tok_s / roof)
             if args.compare == "hf":
                 engine_peak = max(engine_peak, _peak_bytes(device))

@@ -40,8 +40,11 @@ def model_and_tok():
 
 
 def _llm(model, tok, device: str) -> LLM:
+    # flex_attention's CUDA kernels need pages of at least 128 tokens (one page per sequence here)
+    pages = dict(block_size=16, num_gpu_blocks_override=600) if device == "cpu" else \
+        dict(block_size=128, num_gpu_blocks_override=300)
     return LLM(model.to(device), tokenizer=tok, dtype="float32", max_model_len=64, max_num_seqs=256,
-               block_size=16, num_gpu_blocks_override=600, max_num_batched_tokens=256, seed=0)
+               max_num_batched_tokens=256, seed=0, **pages)
 
 
 class _Reference:

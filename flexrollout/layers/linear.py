@@ -43,7 +43,7 @@ class Linear:
     @property
     def plain(self) -> bool:
         """Only a weight and bias: the fused kernels may read it."""
-        return not self.lora and not self.row_lora
+        return len(self.lora) == 0 and len(self.row_lora) == 0     # (dynamo cannot `not` a tuple)
 
     def with_rows(self, row_lora: tuple, live_rows: torch.Tensor) -> "Linear":
         return replace(self, row_lora=row_lora, live_rows=live_rows)

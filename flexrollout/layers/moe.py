@@ -89,11 +89,11 @@ def experts_forward(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
 
 
 def _experts(h, weights, ids, ex: Experts, gu: ExpertLora | None, down: ExpertLora | None):
+    gu_a, gu_b, gu_s = (gu.lora_a, gu.lora_b, gu.scaling) if gu is not None else (None, None, 0.0)
+    dn_a, dn_b, dn_s = (down.lora_a, down.lora_b, down.scaling) if down is not None else (None, None, 0.0)
     return moe_experts(h, weights, ids, ex.gate_up, ex.down, ex.gate_up_bias, ex.down_bias,
                        ex.transposed, ex.interleaved, ex.act, ex.limit, ex.alpha,
-                       gu.lora_a if gu else None, gu.lora_b if gu else None, gu.scaling if gu else 0.0,
-                       down.lora_a if down else None, down.lora_b if down else None,
-                       down.scaling if down else 0.0)
+                       gu_a, gu_b, gu_s, dn_a, dn_b, dn_s)
 
 
 @torch.library.custom_op("flexrollout::moe_experts", mutates_args=())
@@ -107,22 +107,19 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     num_experts = gate_up.shape[0]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)         # (token, choice) pairs grouped by expert
-    expert_of_row = flat[order]
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=h.device)
-    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
-    offs = counts.cumsum(0, dtype=torch.int32)
-    x = h[order // top_k]
-    proj = _grouped(x, gate_up, offs, transposed)
+    groups = _Groups(flat, order, top_k, tokens, num_experts)
+    x = h[groups.token]
+    proj = _grouped(x, gate_up if transposed else gate_up.transpose(-2, -1), groups)
     if gate_up_bias is not None:
-        proj = proj + gate_up_bias[expert_of_row]
+        proj = proj + gate_up_bias[groups.expert]
     if gu_lora_a is not None:
-        proj = proj + _grouped_lora(x, gu_lora_a, gu_lora_b, gu_scaling, offs, num_experts)
+        proj = proj + _grouped_lora(x, gu_lora_a, gu_lora_b, gu_scaling, groups)
     act_out = _gated(proj, interleaved, act, limit, alpha)
-    out = _grouped(act_out, down, offs, transposed)
+    out = _grouped(act_out, down if transposed else down.transpose(-2, -1), groups)
     if down_bias is not None:
-        out = out + down_bias[expert_of_row]
+        out = out + down_bias[groups.expert]
     if down_lora_a is not None:
-        out = out + _grouped_lora(act_out, down_lora_a, down_lora_b, down_scaling, offs, num_experts)
+        out = out + _grouped_lora(act_out, down_lora_a, down_lora_b, down_scaling, groups)
     out = out * weights.reshape(-1)[order, None].to(out.dtype)
     # Back to (token, choice) order; the k outputs of a token sum (in fp32, rounded once).
     unsorted = torch.empty_like(out).index_copy_(0, order, out)
@@ -135,19 +132,43 @@ def _(h, weights, ids, gate_up, down, gate_up_bias, down_bias, transposed, inter
     return torch.empty_like(h)
 
 
-def _grouped(x: torch.Tensor, stack: torch.Tensor, offs: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """Rows of `x` grouped by expert times each expert's matrix: (S, out)."""
-    return F.grouped_mm(x, stack if transposed else stack.transpose(-2, -1), offs=offs)
+class _Groups:
+    """The (token, choice) rows of one step sorted by expert: each row's expert and token, and
+    the int32 end offset of every expert's rows, all on the device."""
+
+    def __init__(self, flat_ids: torch.Tensor, order: torch.Tensor, top_k: int, tokens: int,
+                 num_experts: int):
+        self.expert = flat_ids[order]
+        self.token = order // top_k
+        self.tokens, self.num_experts = tokens, num_experts
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=flat_ids.device)
+        counts.scatter_add_(0, flat_ids.to(torch.int64), torch.ones_like(flat_ids, dtype=torch.int32))
+        self.offs = counts.cumsum(0, dtype=torch.int32)
+        # grouped_mm has a CUDA kernel for bf16 only; its fallback for other dtypes copies the
+        # offsets to the host, which a CUDA graph cannot capture (the fp32 parity runs do).
+        self.capturing = flat_ids.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _grouped_lora(x, lora_a, lora_b, scaling: float, offs, num_experts: int) -> torch.Tensor:
+def _grouped(x: torch.Tensor, stack: torch.Tensor, groups: _Groups) -> torch.Tensor:
+    """Row s of `x` (sorted by expert) times its expert's matrix: x (S, K) @ stack (E, K, N) ->
+    (S, N). Under CUDA-graph capture without grouped_mm's kernel, the rows are scattered into a
+    zero-padded (E, tokens, K) batch and multiplied by one bmm: the same sums, no host copy."""
+    if groups.capturing and x.dtype != torch.bfloat16:
+        batch = x.new_zeros(groups.num_experts, groups.tokens, x.shape[-1])
+        batch[groups.expert, groups.token] = x
+        return torch.bmm(batch, stack.to(x.dtype))[groups.expert, groups.token]
+    return F.grouped_mm(x, stack, offs=groups.offs)
+
+
+def _grouped_lora(x, lora_a, lora_b, scaling: float, groups: _Groups) -> torch.Tensor:
     """scaling * B_e (A_e x) for rows grouped by expert. A_e = lora_a.reshape(E, r, in)[e] and
     B_e = lora_b.reshape(out, r, E)[:, :, e] (PEFT's layout); the adapter is cast to x's dtype
     (PEFT keeps it in fp32 over a 16-bit base). B's (E, r, out) stack is a copy of the adapter's
     r * E * out elements: grouped_mm needs a unit stride in each expert's matrix."""
+    num_experts = groups.num_experts
     a = lora_a.to(x.dtype).reshape(num_experts, -1, lora_a.shape[-1]).transpose(1, 2)   # (E, in, r)
     b = lora_b.to(x.dtype).reshape(lora_b.shape[0], -1, num_experts).permute(2, 1, 0).contiguous()
-    return F.grouped_mm(F.grouped_mm(x, a, offs=offs), b, offs=offs) * scaling
+    return _grouped(_grouped(x, a, groups), b, groups) * scaling
 
 
 def _gated(proj: torch.Tensor, interleaved: bool, act: str, limit: float, alpha: float) -> torch.Tensor:
