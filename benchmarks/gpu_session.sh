@@ -135,7 +135,7 @@ moe)
   # the MoE roofline (only the experts a step's tokens chose are read), GRPO, HF at the same sizes.
   for preset in qwen3-30b-a3b gpt-oss-20b; do
     bench 280 --preset $preset --batch-sizes 1,8,64 --workload decode,grpo --compare hf --hf-max-tokens 32 \
-      --gpu-memory-utilization 0.7 --json "$out/$preset.json" | tail -8 > "$out/$preset.txt"
+      --gpu-memory-utilization 0.55 --json "$out/$preset.json" | tail -8 > "$out/$preset.txt"
   done
   names="gpu qwen3-30b-a3b gpt-oss-20b" ;;
 lora32)

@@ -20,7 +20,7 @@ from flexrollout.bench import random_model
 
 def _category(name: str) -> str:
     lowered = name.lower()
-    for key, label in (("small_linear_kernel", "gemm"), ("qkv_epilogue", "q/k/v epilogue (sum, norm, RoPE, KV store)"),
+    for key, label in (("expert_gemv", "experts (grouped GEMV)"), ("small_linear_kernel", "gemm"), ("qkv_epilogue", "q/k/v epilogue (sum, norm, RoPE, KV store)"),
                        ("flex", "attention"), ("gemm", "gemm"), ("gemv", "gemm"), ("cutlass", "gemm"),
                        ("nvjet", "gemm"), ("sm90", "gemm"), ("argmax", "sampler"), ("softmax", "sampler"),
                        ("sort", "sampler"), ("triton", "fused elementwise (norms, RoPE, KV store, sums)"),

@@ -54,6 +54,10 @@ class EngineConfig:
     # small_batch_max_rows (<= 32) rows. Larger batches use cuBLAS.
     small_batch_kernels: bool = True
     small_batch_max_rows: int = 32
+    # MoE steps of at most this many (token, expert) rows (batch x top-k) run a Triton grouped
+    # GEMV that reads only the chosen experts; larger ones run grouped_mm. 0, or
+    # small_batch_kernels=False: always grouped_mm.
+    moe_small_batch_max_rows: int = 64
     # Launch the GEMV kernel with programmatic dependent launch (Hopper on); off only to measure it.
     gemv_pdl: bool = True
     # Decode's q/k/v epilogue kernel (partial sums, bias, q/k norm, RoPE, K/V store in one launch);
@@ -74,6 +78,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "small_batch_max_rows", "mlp_chunk_tokens"):
             _check_positive_int(name, getattr(self, name))
+        rows = self.moe_small_batch_max_rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"moe_small_batch_max_rows must be an int >= 0 (0: off), got {rows!r}")
         if self.small_batch_max_rows > GEMV_MAX_ROWS:
             raise ValueError(f"small_batch_max_rows must be <= {GEMV_MAX_ROWS} (the GEMV kernel's "
                              f"largest row tile), got {self.small_batch_max_rows}")

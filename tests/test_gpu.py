@@ -194,14 +194,17 @@ def test_fused_sampler_matches_eager_and_stays_small():
     assert transient < 3 * batch * vocab * 4, transient
 
 
+@pytest.mark.parametrize("expert_rows", [64, 0], ids=["grouped-gemv", "grouped-mm"])
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gpt-oss-20b"])
-def test_moe_real_widths_fp32_greedy_matches_hf_with_graphs(preset):
+def test_moe_real_widths_fp32_greedy_matches_hf_with_graphs(preset, expert_rows):
     """Real widths (128 experts top-8; 32 experts top-4 with sinks and a 128-token window) at two
-    layers, fp32: graphs, the grouped_mm expert op and flex decode against HF generate. The
-    prompts are longer than gpt-oss's window."""
+    layers, fp32: graphs, the expert paths (decode's grouped GEMV kernel, or grouped_mm's
+    graph-safe form) and flex decode against HF generate. The prompts are longer than gpt-oss's
+    window."""
     model = random_model(preset, torch.float32, "cuda", 2048, num_layers=2)
     prompts = _prompts(model.config.vocab_size, lengths=(5, 140, 300), seed=5)
-    llm = LLM(model, max_model_len=1024, max_num_seqs=8, num_kv_pages=64)
+    llm = LLM(model, max_model_len=1024, max_num_seqs=8, num_kv_pages=64,
+              moe_small_batch_max_rows=expert_rows)
     assert llm.llm_engine.runner.graphs is not None
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                         use_tqdm=False)

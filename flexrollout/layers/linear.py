@@ -22,11 +22,12 @@ from ..lora.live import active_adapters
 class Kernels:
     """How this step's projections run: the small-batch GEMV kernel (`small`: the batch has at
     most its row limit; `pdl`: launched with programmatic dependent launch), and the q/k/v
-    epilogue kernel after the projections in decode."""
+    epilogue kernel after the projections in decode, and the grouped GEMV of small MoE steps."""
 
     small: bool = False
     pdl: bool = True
     epilogue: bool = True
+    expert_rows: int = 0      # MoE steps of at most this many (token, expert) rows: grouped GEMV
 
 
 @dataclass(frozen=True)

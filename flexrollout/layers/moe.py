@@ -18,6 +18,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from ..kernels import expert_gemv
+
 # The gated activations of expert MLPs.
 SILU, GELU_TANH, GPT_OSS = "silu", "gelu_tanh", "gpt_oss"
 
@@ -70,30 +72,33 @@ class Experts:
     row_lora: tuple = ()
     live_rows: torch.Tensor | None = None
 
-    def with_rows(self, row_lora: tuple, live_rows: torch.Tensor) -> "Experts":
+    def with_rows(self, row_lora: tuple, live_rows: torch.Tensor) -> Experts:
         return replace(self, row_lora=row_lora, live_rows=live_rows)
 
 
-def experts_forward(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: Experts) -> torch.Tensor:
+def experts_forward(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: Experts,
+                    small_rows: int = 0) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(h[t]) for every token t: (T, H). Rows with a
     LoRARequest adapter run the experts with it (a nonlinear change: the down adapter reads the
-    activations the gate/up adapter changed), each group of rows on its own."""
+    activations the gate/up adapter changed), each group of rows on its own. Steps of at most
+    `small_rows` (token, expert) rows without expert LoRA run the grouped GEMV kernel on CUDA."""
     if ex.live_rows is None:
-        return _experts(h, weights, ids, ex, ex.gate_up_lora, ex.down_lora)
+        return _experts(h, weights, ids, ex, ex.gate_up_lora, ex.down_lora, small_rows)
     out = torch.empty_like(h)
     groups = [(ex.gate_up_lora, ex.down_lora, ex.live_rows)] + list(ex.row_lora)
     for gate_up_lora, down_lora, rows in groups:
         if rows.numel():
-            out[rows] = _experts(h[rows], weights[rows], ids[rows], ex, gate_up_lora, down_lora)
+            out[rows] = _experts(h[rows], weights[rows], ids[rows], ex, gate_up_lora, down_lora, small_rows)
     return out
 
 
-def _experts(h, weights, ids, ex: Experts, gu: ExpertLora | None, down: ExpertLora | None):
+def _experts(h, weights, ids, ex: Experts, gu: ExpertLora | None, down: ExpertLora | None,
+             small_rows: int = 0):
     gu_a, gu_b, gu_s = (gu.lora_a, gu.lora_b, gu.scaling) if gu is not None else (None, None, 0.0)
     dn_a, dn_b, dn_s = (down.lora_a, down.lora_b, down.scaling) if down is not None else (None, None, 0.0)
     return moe_experts(h, weights, ids, ex.gate_up, ex.down, ex.gate_up_bias, ex.down_bias,
                        ex.transposed, ex.interleaved, ex.act, ex.limit, ex.alpha,
-                       gu_a, gu_b, gu_s, dn_a, dn_b, dn_s)
+                       gu_a, gu_b, gu_s, dn_a, dn_b, dn_s, small_rows)
 
 
 @torch.library.custom_op("flexrollout::moe_experts", mutates_args=())
@@ -102,8 +107,12 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
                 transposed: bool, interleaved: bool, act: str, limit: float, alpha: float,
                 gu_lora_a: torch.Tensor | None, gu_lora_b: torch.Tensor | None, gu_scaling: float,
                 down_lora_a: torch.Tensor | None, down_lora_b: torch.Tensor | None,
-                down_scaling: float) -> torch.Tensor:
+                down_scaling: float, small_rows: int) -> torch.Tensor:
     tokens, top_k = ids.shape
+    if (tokens * top_k <= min(small_rows, expert_gemv.MAX_ROWS) and gu_lora_a is None
+            and down_lora_a is None and expert_gemv.supported(h, gate_up, down)):
+        return expert_gemv.experts_small(h, ids, weights, gate_up, down, gate_up_bias, down_bias,
+                                         transposed, interleaved, act, limit, alpha)
     num_experts = gate_up.shape[0]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)         # (token, choice) pairs grouped by expert
@@ -121,14 +130,18 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     if down_lora_a is not None:
         out = out + _grouped_lora(act_out, down_lora_a, down_lora_b, down_scaling, groups)
     out = out * weights.reshape(-1)[order, None].to(out.dtype)
-    # Back to (token, choice) order; the k outputs of a token sum (in fp32, rounded once).
+    return _unsort_and_sum(out, order, tokens, top_k, h.dtype)
+
+
+def _unsort_and_sum(out: torch.Tensor, order: torch.Tensor, tokens: int, top_k: int, dtype) -> torch.Tensor:
+    """Sorted weighted rows back to (token, choice) order; each token's k outputs summed."""
     unsorted = torch.empty_like(out).index_copy_(0, order, out)
-    return unsorted.view(tokens, top_k, -1).sum(dim=1).to(h.dtype)
+    return unsorted.view(tokens, top_k, -1).sum(dim=1).to(dtype)
 
 
 @moe_experts.register_fake
 def _(h, weights, ids, gate_up, down, gate_up_bias, down_bias, transposed, interleaved, act, limit,
-      alpha, gu_lora_a, gu_lora_b, gu_scaling, down_lora_a, down_lora_b, down_scaling):
+      alpha, gu_lora_a, gu_lora_b, gu_scaling, down_lora_a, down_lora_b, down_scaling, small_rows):
     return torch.empty_like(h)
 
 

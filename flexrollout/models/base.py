@@ -18,8 +18,8 @@ functions serve the plain, live-LoRA and merged-LoRA paths.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,7 @@ class ForwardOptions:
     mlp_chunk: int = 2048           # rows per `post` call in a long prefill
     gemv_pdl: bool = True
     qkv_epilogue: bool = True
+    expert_rows: int = 0            # MoE steps up to this many (token, expert) rows: grouped GEMV
 
 
 @dataclass(frozen=True)
@@ -140,16 +141,14 @@ class DecoderForward:
 
     def read_experts(self, index: int):
         """Layer `index`'s stacked experts (`layers.moe.Experts`), or None without MoE."""
-        return None
+        return
 
     # -- what the engine calls ---------------------------------------------------------------
     def prepare(self, options: ForwardOptions) -> None:
         self.options = options
         self._rope = self.rope_tables(options.max_len)
         small = options.small_rows if self._gemv_ready() else 0
-        self.options = ForwardOptions(options.max_len, options.compile_layers,
-                                      min(small, gemv.MAX_ROWS), options.mlp_chunk,
-                                      options.gemv_pdl, options.qkv_epilogue)
+        self.options = replace(options, small_rows=min(small, gemv.MAX_ROWS))
 
     def refresh(self) -> bool:
         """Re-read every projection (before a generate): merged LoRA copies are brought up to
@@ -241,8 +240,8 @@ class DecoderForward:
         positions = meta.positions
         rope = {key: (cos[positions], sin[positions]) for key, (cos, sin) in self._rope.items()}
         small = input_ids.is_cuda and input_ids.shape[0] <= self.options.small_rows
-        kernels = Kernels(small=small, pdl=self.options.gemv_pdl,
-                          epilogue=self.options.qkv_epilogue)
+        kernels = Kernels(small=small, pdl=self.options.gemv_pdl, epilogue=self.options.qkv_epilogue,
+                          expert_rows=self.options.expert_rows if input_ids.is_cuda else 0)
         return Step(meta, cache, rope, kernels, {})
 
     def _fn(self, fn, eager: bool):

@@ -13,8 +13,14 @@ from dataclasses import replace
 import torch
 
 from ..layers.linear import Kernels, Linear, linear
-from ..layers.moe import (GPT_OSS, Experts, experts_forward, read_experts, route_topk_softmax,
-                          unwrap_param_wrappers)
+from ..layers.moe import (
+    GPT_OSS,
+    Experts,
+    experts_forward,
+    read_experts,
+    route_topk_softmax,
+    unwrap_param_wrappers,
+)
 from ..layers.norm import FP32, rms_norm
 from ..spec import LayerSpec
 from .base import LayerFns, Step
@@ -28,7 +34,7 @@ def attention_out_routed(attn: torch.Tensor, residual: torch.Tensor, o: Linear, 
     hidden = residual + linear(attn, o, kernels)
     h = rms_norm(hidden, ln_w, eps, norm_style)
     weights, ids = route_topk_softmax(h, router_w, router_b, top_k)
-    return hidden + experts_forward(h, weights, ids, experts)
+    return hidden + experts_forward(h, weights, ids, experts, kernels.expert_rows)
 
 
 class GptOssForward(LlamaForward):

@@ -22,7 +22,7 @@ def attention_out_moe(attn: torch.Tensor, residual: torch.Tensor, o: Linear, ln_
     hidden = residual + linear(attn, o, kernels)
     h = rms_norm(hidden, ln_w, eps, norm_style)
     weights, ids = route_softmax_topk(h, router_w, top_k, renormalize)
-    return hidden + experts_forward(h, weights, ids, experts)
+    return hidden + experts_forward(h, weights, ids, experts, kernels.expert_rows)
 
 
 class Qwen3MoeForward(LlamaForward):
