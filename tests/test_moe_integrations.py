@@ -15,12 +15,8 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-import flexrollout  # noqa: E402
-from conftest import make_tiny_moe  # noqa: E402
-from flexrollout import SamplingParams  # noqa: E402
-from flexrollout.integrations import unsloth as plugin  # noqa: E402
-from flexrollout.integrations.trl import patch_trl  # noqa: E402
-from test_trl import (  # noqa: E402, F401  (_restore_distributed_env: the autouse fixture)
+from conftest import make_tiny_moe
+from test_trl import (  # noqa: F401  (_restore_distributed_env: the autouse fixture)
     _check_logp_difference,
     _config,
     _restore_distributed_env,
@@ -29,6 +25,11 @@ from test_trl import (  # noqa: E402, F401  (_restore_distributed_env: the autou
     _train,
     reward_len,
 )
+
+import flexrollout
+from flexrollout import SamplingParams
+from flexrollout.integrations import unsloth as plugin
+from flexrollout.integrations.trl import patch_trl
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
@@ -46,7 +47,7 @@ def test_grpo_expert_lora_tiny_moe(tmp_path, monkeypatch, arch):
                           train_dataset=_tiny_dataset(), peft_config=peft_config)
     llm = trainer.vllm_generation.llm
     assert isinstance(llm, flexrollout.LLM) and llm.model is trainer.model
-    expert_lora = lambda n, p: "lora_" in n and "experts" in n  # noqa: E731
+    expert_lora = lambda n, p: "lora_" in n and "experts" in n
     lora_before = _snapshot(trainer.model, expert_lora)
     base_before = _snapshot(trainer.model, lambda n, p: "lora_" not in n)
     assert lora_before, "PEFT put no adapter on the experts"
