@@ -9,16 +9,16 @@ from itertools import count
 import torch
 
 from .config import EngineConfig, resolve_dtype
-from .engine.engine import LLMEngine
+from .engine.engine import LLMEngine, device_scope
 from .engine.sequence import Sequence
 from .lora import AdapterRegistry
 from .lora.merged import MergedLora
 from .lora_request import LoRARequest
-from .weights import ModelExecutor
 from .models import build_forward, unwrap_peft
 from .outputs import CompletionOutput, RequestOutput
 from .prompts import Prompt, check_tokens, split_prompts, to_prompt
 from .sampling_params import SamplingParams
+from .weights import ModelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,9 @@ class LLM:
         model_len = max_model_len or spec.max_position_embeddings
         device = torch.device(self.config.device) if self.config.device else param.device
         owned = _weight_bytes(self.model) if isinstance(model, str) else 0
-        self.llm_engine = LLMEngine(forward, self.tokenizer, self.config, device, run_dtype,
-                                    model_len, model_name, owned_weight_bytes=owned)
+        with device_scope(device):       # the model's GPU, whichever device is current
+            self.llm_engine = LLMEngine(forward, self.tokenizer, self.config, device, run_dtype,
+                                        model_len, model_name, owned_weight_bytes=owned)
         self.llm_engine.model_config.enable_sleep_mode = bool(enable_sleep_mode)
         self.llm_engine.model_executor = ModelExecutor(self.model)
         # Weights this engine loaded itself may be offloaded by sleep(); a trainer's never are.

@@ -10,6 +10,8 @@ drains the pending step first.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -19,15 +21,35 @@ from ..attention.kv_cache import KVCache
 from ..config import EngineConfig
 from ..models.base import ForwardOptions
 from ..outputs import Logprob
-from .graphs import DecodeGraphs
 from .detokenizer import append_text, final_text, find_stop_string
+from .graphs import DecodeGraphs
 from .page_table import PageTable
 from .runner import ModelRunner
-from .sampler import SamplerOutput, build_sampling_tensors, has_static_sampling, sampling_to_device
+from .sampler import (
+    SamplerOutput,
+    build_sampling_tensors,
+    has_static_sampling,
+    sampling_to_device,
+)
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
 logger = logging.getLogger(__name__)
+
+
+def device_scope(device: torch.device):
+    """`device` as the current CUDA device while the engine works on it: Triton launches, CUDA
+    events and graph captures follow the current device, and a rank of a multi-GPU job may call
+    in with another device current."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _on_engine_device(method):
+    @functools.wraps(method)
+    def scoped(self, *args, **kwargs):
+        with device_scope(self.device):
+            return method(self, *args, **kwargs)
+    return scoped
 
 
 @dataclass
@@ -146,6 +168,7 @@ class LLMEngine:
     def kv_cache_awake(self) -> bool:
         return self.cache.allocated
 
+    @_on_engine_device
     def release_kv_cache(self) -> None:
         """Free the KV cache and the decode graphs that point into it."""
         if self.scheduler.has_work():
@@ -156,6 +179,7 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    @_on_engine_device
     def restore_kv_cache(self) -> None:
         if not self.cache.allocated:
             self.cache.allocate()
@@ -170,6 +194,7 @@ class LLMEngine:
         return (self.pages.num_pages - 1) * self.page_size
 
     # -- the loop ----------------------------------------------------------------------------
+    @_on_engine_device
     def run(self, groups: list[list[Sequence]], on_finish=None) -> None:
         """Generate every sequence of `groups` to completion."""
         if not self.cache.allocated:
@@ -398,4 +423,4 @@ class LLMEngine:
 
 def _no_text(token: int) -> None:
     """decoded_token when the request asked for detokenize=False (as vLLM)."""
-    return None
+    return
