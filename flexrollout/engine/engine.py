@@ -126,7 +126,8 @@ class LLMEngine:
             backend = "flex" if device.type == "cuda" else "reference"
         self.runner = ModelRunner(forward, self.cache, self.pages, device, backend,
                                   config.flex_kernel_options)
-        if device.type == "cuda" and not config.enforce_eager and backend == "flex":
+        if device.type == "cuda" and not config.enforce_eager and backend == "flex" \
+                and not forward.quantized:       # 4-bit weights run eagerly for now
             self.runner.graphs = DecodeGraphs(self.runner, config.max_num_seqs)
         self.stats = EngineStats()
         self._pending: PendingDecode | None = None

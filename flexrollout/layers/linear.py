@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..kernels import small_linear as gemv
 from ..lora.live import active_adapters
+from .quant import dequantize_4bit, quant_state_of
 
 
 @dataclass(frozen=True)
@@ -40,13 +41,15 @@ class Linear:
     # take their adapter instead of the live ones, which then apply to `live_rows` only.
     row_lora: tuple = ()
     live_rows: torch.Tensor | None = None
+    # A bitsandbytes 4-bit weight's QuantState (`weight` is then its packed uint8 data).
+    quant: object | None = None
 
     @property
     def plain(self) -> bool:
-        """Only a weight and bias: the fused kernels may read it."""
-        return len(self.lora) == 0 and len(self.row_lora) == 0     # (dynamo cannot `not` a tuple)
+        """Only a 16/32-bit weight and bias: the fused kernels may read it."""
+        return len(self.lora) == 0 and len(self.row_lora) == 0 and self.quant is None  # (dynamo cannot `not` a tuple)
 
-    def with_rows(self, row_lora: tuple, live_rows: torch.Tensor) -> "Linear":
+    def with_rows(self, row_lora: tuple, live_rows: torch.Tensor) -> Linear:
         return replace(self, row_lora=row_lora, live_rows=live_rows)
 
 
@@ -56,12 +59,16 @@ def read_linear(module: torch.nn.Module, merged=None) -> Linear:
     base = getattr(module, "base_layer", module)
     if merged is not None and merged.has(module):
         return Linear(merged.weight(module), base.bias)
-    return Linear(base.weight, base.bias, tuple(active_adapters(module)))
+    return Linear(base.weight, base.bias, tuple(active_adapters(module)),
+                  quant=quant_state_of(base.weight))
 
 
 def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Tensor:
     """x @ W^T + b + sum(scaling * B (A x)) for (T, in) rows."""
-    out = gemv.project(x, p.weight, p.bias, gemv.MAX_ROWS if kernels.small else 0, kernels.pdl)
+    if p.quant is not None:
+        out = F.linear(x, dequantize_4bit(p.weight, p.quant, x.dtype), p.bias)
+    else:
+        out = gemv.project(x, p.weight, p.bias, gemv.MAX_ROWS if kernels.small else 0, kernels.pdl)
     if p.live_rows is None:
         for lora_a, lora_b, scaling in p.lora:
             out = _add_low_rank(out, x, lora_a, lora_b, scaling)

@@ -48,6 +48,11 @@ def delta(module: torch.nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor, s
 class MergedLora:
     def __init__(self, model: torch.nn.Module) -> None:
         self.modules = dict(_lora_modules(model))
+        quantized = [name for name, m in self.modules.items() if base_tensor(m).dtype == torch.uint8]
+        if quantized:
+            raise ValueError(
+                f"lora_mode='merged' needs 16/32-bit base weights, and {quantized[0]} is 4-bit: a "
+                f"merged copy would be a dequantised copy of the model. Use lora_mode='live' (QLoRA)")
         self.merged: dict[int, torch.Tensor] = {
             id(m): torch.empty_like(base_tensor(m)) for m in self.modules.values()}
         self._versions: dict[int, tuple] = {}

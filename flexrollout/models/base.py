@@ -29,6 +29,7 @@ from ..compile import compiled
 from ..kernels import small_linear as gemv
 from ..layers.linear import Kernels, Linear, gemv_ready, linear, read_linear
 from ..layers.moe import ExpertLora
+from ..layers.quant import logical_shape
 from ..lora.adapters import Targets
 from ..lora.live import is_lora_layer
 from ..spec import ATTENTION, LayerSpec, ModelSpec
@@ -148,7 +149,10 @@ class DecoderForward:
         self.options = options
         self._rope = self.rope_tables(options.max_len)
         small = options.small_rows if self._gemv_ready() else 0
-        self.options = replace(options, small_rows=min(small, gemv.MAX_ROWS))
+        # 4-bit weights run eagerly (bitsandbytes' dequantise op, as its own forward does) until
+        # a fused 4-bit kernel lands: not compiled, not captured in decode graphs.
+        compile_layers = options.compile_layers and not self.quantized
+        self.options = replace(options, small_rows=min(small, gemv.MAX_ROWS), compile_layers=compile_layers)
 
     def refresh(self) -> bool:
         """Re-read every projection (before a generate): merged LoRA copies are brought up to
@@ -175,7 +179,7 @@ class DecoderForward:
         for i in range(len(self.spec.layers)):
             for name, module in self.projections(i).items():
                 if name in self.LORA_TARGETS:
-                    linear_shapes.setdefault(name, tuple(getattr(module, "base_layer", module).weight.shape))
+                    linear_shapes.setdefault(name, logical_shape(getattr(module, "base_layer", module).weight))
             experts = self.experts[i]
             if experts is not None and not expert_shapes:
                 expert_shapes = {f"experts.{name}": _math_shape(stack, experts.transposed)
@@ -251,6 +255,11 @@ class DecoderForward:
         if fn not in self._compiled:
             self._compiled[fn] = compiled(fn, dynamic=True, fullgraph=True)
         return self._compiled[fn]
+
+    @property
+    def quantized(self) -> bool:
+        """Some projection reads bitsandbytes 4-bit weights."""
+        return any(p.quant is not None for layer in self._linears for p in layer.values())
 
     def _gemv_ready(self) -> bool:
         """Every projection's weight can be streamed by the GEMV kernel (CUDA, contiguous,

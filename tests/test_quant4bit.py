@@ -1,0 +1,144 @@
+"""bitsandbytes 4-bit base weights (NF4 / FP4, with and without double quantisation), CPU.
+
+The model's decoder projections are bitsandbytes `Linear4bit` layers quantised from a tiny random
+llama. The reference dequantises the same packed weights to fp32 (`dequantized_reference`, a test
+copy): HF generate on it for greedy tokens, its teacher-forced logits for logprobs. bitsandbytes'
+own forward is held to the same reference, and the engine's error must be no larger. With its
+AVX512-BF16 CPU kernel switched off, bitsandbytes' forward is the same dequantise-and-multiply:
+PEFT's forward over it is then an exact QLoRA reference.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from flexrollout import LLM, SamplingParams
+
+bnb = pytest.importorskip("bitsandbytes")
+
+PROMPTS = [[5, 17, 33, 2, 9, 100, 4], [300, 7, 8, 121], [41, 42, 43, 44, 45, 46, 47, 48, 49]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+FORMATS = [("nf4", True), ("nf4", False), ("fp4", False)]
+
+
+def _quantize_projections(model, quant_type: str, double_quant: bool):
+    """Replace every decoder-layer nn.Linear by a bitsandbytes Linear4bit holding its weight."""
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, lin in list(parent.named_children()):
+                if type(lin) is not torch.nn.Linear:
+                    continue
+                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                      compute_dtype=torch.float32, quant_type=quant_type,
+                                      compress_statistics=double_quant)
+                q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False,
+                                             quant_type=quant_type, compress_statistics=double_quant)
+                if lin.bias is not None:
+                    q.bias = torch.nn.Parameter(lin.bias.data.clone(), requires_grad=False)
+                q = q.to("cpu")                             # .to() quantises
+                # bitsandbytes' forward would otherwise repack the weight in place for its bf16
+                # CPU kernel (a layout flexrollout refuses, with a clear error)
+                q.support_avx512bf16_for_cpu = False
+                setattr(parent, name, q)
+    assert isinstance(model.model.layers[0].self_attn.q_proj.weight, bnb.nn.Params4bit)
+    return model.eval()
+
+
+def _model(quant_type="nf4", double_quant=True):
+    model, tok = make_tiny_model("llama", seed=4)
+    return _quantize_projections(model, quant_type, double_quant), tok
+
+
+def dequantized_reference(model):
+    """A plain fp32 copy of `model` with each Linear4bit's weight dequantised (test-side only)."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    for layer in ref.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, q in list(parent.named_children()):
+                if isinstance(q, bnb.nn.Linear4bit):
+                    lin = torch.nn.Linear(q.in_features, q.out_features, bias=q.bias is not None)
+                    lin.weight.data = bnb.functional.dequantize_4bit(q.weight.data, q.weight.quant_state).float()
+                    if q.bias is not None:
+                        lin.bias.data = q.bias.data.float()
+                    setattr(parent, name, lin)
+    return ref.eval()
+
+
+def _logprob_errors(logprobs_of, reference, prompts) -> float:
+    """Largest |logprob - reference| over every prompt token after the first."""
+    worst = 0.0
+    for prompt in prompts:
+        with torch.no_grad():
+            ref = reference(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+        got = logprobs_of(prompt)
+        worst = max(worst, max(abs(got[i - 1] - ref[i - 1, prompt[i]].item()) for i in range(1, len(prompt))))
+    return worst
+
+
+def _hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                         min_new_tokens=n, do_sample=False, eos_token_id=[], pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("quant_type, double_quant", FORMATS)
+def test_4bit_greedy_and_logprobs_match_the_dequantized_reference(quant_type, double_quant, hf_greedy):
+    model, tok = _model(quant_type, double_quant)
+    reference = dequantized_reference(model)
+    packed = {n: p.data_ptr() for n, p in model.named_parameters() if p.dtype == torch.uint8}
+    llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(reference, p, 10).tokens for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+
+    def engine_logprobs(prompt):
+        entries = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].prompt_logprobs
+        return [entries[i][prompt[i]].logprob for i in range(1, len(prompt))]
+
+    def bnb_logprobs(prompt):
+        with torch.no_grad():
+            lp = model(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+        return [lp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+
+    ours, theirs = _logprob_errors(engine_logprobs, reference, PROMPTS), _logprob_errors(bnb_logprobs, reference, PROMPTS)
+    assert ours < 1e-4 and ours <= max(theirs, 1e-5), (ours, theirs)
+    # the packed weights are where they were, and still packed: no dequantised copy replaced them
+    assert packed and packed == {n: p.data_ptr() for n, p in model.named_parameters() if p.dtype == torch.uint8}
+
+
+def test_qlora_live_adapter_matches_peft_and_follows_updates():
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = _model()
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])).eval()
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    llm = LLM(pm, tokenizer=tok, max_model_len=64, max_num_seqs=4)
+    for _ in range(2):
+        expected = [_hf_greedy(pm, p, 10) for p in PROMPTS]
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        with torch.no_grad():                          # an optimizer step, in place
+            for name, p in pm.named_parameters():
+                if "lora_A" in name:
+                    p.add_(torch.randn_like(p) * 0.5)
+    with pm.disable_adapter():
+        assert expected != [_hf_greedy(pm, p, 10) for p in PROMPTS], "the adapter should matter"
+
+
+def test_merged_lora_mode_refuses_a_4bit_base():
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = _model()
+    pm = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"])).eval()
+    with pytest.raises(ValueError, match="lora_mode='live'"):
+        LLM(pm, tokenizer=tok, max_model_len=64, lora_mode="merged")
+    llm = LLM(pm, tokenizer=tok, max_model_len=64, max_num_seqs=2)      # live mode runs
+    assert llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
