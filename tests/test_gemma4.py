@@ -1,0 +1,235 @@
+"""Gemma-4 against HF transformers and PEFT, fp32 on CPU.
+
+Tiny configs (4 layers alternating sliding / full, head_dim 16 on sliding and 32 on full layers,
+a 6-token window, so every prompt here is longer than it; final logit softcap 3):
+- "dense": the 31B layout (sandwich norms, q/k/v norms, proportional rope on full layers);
+- "e2b": per-layer inputs, the last two layers reading the KV of layers 0 and 1 (owning no
+  cache), double-wide MLPs on those two;
+- "moe": the 26B-A4B layout, dense MLP plus 4 experts top-2 in every layer, `attention_k_eq_v`
+  with one KV head on full layers;
+- "wrapper": the e2b weights inside `Gemma4ForConditionalGeneration` (with a vision tower).
+References are HF `generate` (greedy) and HF's teacher-forced forward; with adapters, PEFT's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_EOS, TINY_VOCAB, make_tiny_tokenizer, tiny_llm
+from flexrollout import SamplingParams
+
+VARIANTS = ["dense", "e2b", "moe", "wrapper"]
+PROMPTS = [[5, 17, 33, 2, 9, 100, 4, 8, 99, 250, 3], [300, 7, 8, 121, 64, 19, 23], [41, 42, 43, 44, 45, 46, 47, 48]]
+WINDOW = 6
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+LP_TOL = 1e-4
+PLACEHOLDERS = {"image_token_id": 500, "video_token_id": 501, "audio_token_id": 502}
+
+
+def make_tiny_gemma4(variant: str, seed: int = 0):
+    """(model, tokenizer): a tiny random Gemma-4 of `variant`, fp32, eval mode. Weights are
+    re-drawn as conftest's tiny models are (sharp q/k, norms 1 + 0.1 N(0, 1)), and the router's
+    scales, per-expert scales and each layer's `layer_scalar` too, so that skipping any of them
+    changes the tokens."""
+    from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+    config = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, head_dim=16, global_head_dim=32,
+                  sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
+                  hidden_size_per_layer_input=0, final_logit_softcapping=3.0, bos_token_id=1,
+                  eos_token_id=TINY_EOS, pad_token_id=0, max_position_embeddings=512)
+    if variant in ("e2b", "wrapper"):
+        config.update(hidden_size_per_layer_input=8, vocab_size_per_layer_input=TINY_VOCAB,
+                      num_kv_shared_layers=2, use_double_wide_mlp=True)
+    if variant == "moe":
+        config.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                      attention_k_eq_v=True, num_global_key_value_heads=1)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(Gemma4TextConfig(**config), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("scale"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+            elif ".router." in name:
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+            elif ".layers." in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.copy_(0.5 + torch.rand(buffer.shape, generator=gen))
+    model.eval()
+    if variant == "wrapper":
+        model = _wrapped(model)
+    return model, make_tiny_tokenizer(TINY_VOCAB, TINY_EOS)
+
+
+def _wrapped(text_lm):
+    """The same text weights inside the multimodal Gemma4ForConditionalGeneration."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig
+
+    vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    config = Gemma4Config(text_config=text_lm.config.to_dict(), vision_config=vision, **PLACEHOLDERS)
+    torch.manual_seed(0)
+    wrapper = Gemma4ForConditionalGeneration(config).eval()
+    state = {"model.language_model." + k[len("model."):]: v for k, v in text_lm.state_dict().items()
+             if k.startswith("model.")}
+    missing = wrapper.load_state_dict(state, strict=False).missing_keys
+    assert all(k.startswith(("model.vision_tower.", "model.embed_vision.", "lm_head.")) for k in missing), missing
+    return wrapper
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@torch.no_grad()
+def _reference_prompt_logprobs(model, prompt: list[int]) -> list[float]:
+    lp = model(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+    return [float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+
+
+def _engine_prompt_logprobs(llm, prompt: list[int], **kwargs) -> list[float]:
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False,
+                       **kwargs)
+    entries = out[0].prompt_logprobs
+    return [entries[i][prompt[i]].logprob for i in range(1, len(prompt))]
+
+
+def _max_diff(a, b) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_batch_matches_hf(variant, hf_greedy):
+    model, tok = make_tiny_gemma4(variant)
+    llm = tiny_llm(model, tok)
+    layers = llm.llm_engine.spec.layers
+    assert [(l.window, l.head_dim, l.scale) for l in layers] == [(WINDOW, 16, 1.0), (None, 32, 1.0)] * 2
+    assert all(len(p) > WINDOW for p in PROMPTS)
+    if variant in ("e2b", "wrapper"):
+        assert [l.kv_source for l in layers] == [None, None, 0, 1]
+    if variant == "moe":
+        assert [l.ffn for l in layers] == ["mlp+moe"] * 4 and [l.num_kv_heads for l in layers] == [2, 1] * 2
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert _tokens(outs) == [hf_greedy(model, p, 12).tokens for p in PROMPTS]
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:3])
+def test_prompt_and_sampled_logprobs_match_hf_teacher_forced(variant):
+    model, tok = make_tiny_gemma4(variant, seed=4)
+    llm = tiny_llm(model, tok)
+    prompt = PROMPTS[0]
+    assert _max_diff(_engine_prompt_logprobs(llm, prompt), _reference_prompt_logprobs(model, prompt)) < LP_TOL
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+        max_tokens=10, temperature=1.0, seed=3, logprobs=2, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        lp = model(torch.tensor([prompt + out.token_ids])).logits[0].double().log_softmax(-1)
+    for step, token in enumerate(out.token_ids):
+        row = lp[len(prompt) - 1 + step]
+        assert abs(out.logprobs[step][token].logprob - float(row[token])) < LP_TOL
+        assert out.logprobs[step][token].rank == int((row > row[token]).sum()) + 1
+
+
+def test_kv_sharing_layers_own_no_cache():
+    """The two KV-sharing layers read layers 0 and 1's tensors and add nothing to the bytes
+    a token occupies (HF's own cache also holds only the two computing layers)."""
+    from flexrollout.attention.kv_cache import KVCache
+
+    model, tok = make_tiny_gemma4("e2b")
+    engine = tiny_llm(model, tok).llm_engine
+    cache, layers = engine.cache, engine.spec.layers
+    assert cache.k[2] is cache.k[0] and cache.v[3] is cache.v[1]
+    assert len(cache.owned()) == 2
+    # sliding: 2 kv heads x 16, full: 2 kv heads x 32; K and V; fp32
+    assert KVCache.bytes_per_token(layers, torch.float32) == 2 * (2 * 16 + 2 * 32) * 4
+    with torch.no_grad():
+        hf_cache = model(torch.tensor([PROMPTS[0]]), use_cache=True).past_key_values
+    assert len(hf_cache.layers) == 2
+
+
+@pytest.mark.parametrize("variant", ["e2b", "moe"])
+def test_groups_share_prefill_and_preemption_keep_hf_tokens(variant, hf_greedy, engine_stats):
+    model, tok = make_tiny_gemma4(variant, seed=1)
+    prompt = PROMPTS[2] * 2                                  # 16 tokens: one full page
+    ref = hf_greedy(model, prompt, 12).tokens
+    llm = tiny_llm(model, tok)
+    before = engine_stats(llm)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 3, GREEDY, use_tqdm=False)
+    assert _tokens(outs) == [ref] * 3
+    assert engine_stats(llm)["prefill_tokens"] - before["prefill_tokens"] == len(prompt)
+    # 5 pages of 16 tokens hold two 28-token sequences; the others must preempt and recompute.
+    small = tiny_llm(model, tok, num_gpu_blocks_override=5)
+    before = engine_stats(small)
+    prompts = [prompt, PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    outs = small.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert engine_stats(small)["preemptions"] > before["preemptions"]
+    assert _tokens(outs) == [hf_greedy(model, p, 12).tokens for p in prompts]
+
+
+def test_per_layer_inputs_follow_row_chunks(hf_greedy):
+    """A prefill whose `post` runs in 4-row chunks hands each chunk its own per-layer inputs."""
+    model, tok = make_tiny_gemma4("e2b", seed=2)
+    llm = tiny_llm(model, tok, mlp_chunk_tokens=4)
+    assert llm.llm_engine.forward.options.mlp_chunk == 4
+    prompt = PROMPTS[0]
+    assert _max_diff(_engine_prompt_logprobs(llm, prompt), _reference_prompt_logprobs(model, prompt)) < LP_TOL
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert _tokens(outs) == [hf_greedy(model, p, 12).tokens for p in PROMPTS]
+
+
+def test_multimodal_inputs_are_a_clear_error():
+    model, tok = make_tiny_gemma4("wrapper")
+    llm = tiny_llm(model, tok)
+    with pytest.raises(NotImplementedError, match="text model only"):
+        llm.generate([{"prompt_token_ids": [5, PLACEHOLDERS["image_token_id"], 6]}], GREEDY, use_tqdm=False)
+    with pytest.raises(NotImplementedError, match="multi_modal_data"):
+        llm.generate([{"prompt_token_ids": [5, 6], "multi_modal_data": {"image": object()}}], GREEDY,
+                     use_tqdm=False)
+    # the engine is still usable
+    assert len(_tokens(llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False))[0]) == 12
+
+
+# --------------------------------------------------------------------------------------------- LoRA
+
+
+def _peft_gemma4(variant: str, seed: int = 2):
+    """PEFT LoRA on every attention and MLP projection (and both expert stacks of "moe"),
+    adapters large enough to move the logits well beyond the tolerance."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = make_tiny_gemma4(variant, seed=seed)
+    experts = ["experts.gate_up_proj", "experts.down_proj"] if variant == "moe" else None
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_parameters=experts,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                        "down_proj"])
+    pm = get_peft_model(model, config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in pm.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+    return pm, tok
+
+
+@pytest.mark.parametrize("mode", ["live", "merged"])
+@pytest.mark.parametrize("variant", ["e2b", "moe"])
+def test_lora_matches_peft_and_sees_updates(variant, mode):
+    pm, tok = _peft_gemma4(variant)
+    prompt = PROMPTS[0]
+    with pm.disable_adapter():
+        base = _reference_prompt_logprobs(pm, prompt)
+    assert _max_diff(base, _reference_prompt_logprobs(pm, prompt)) > 100 * LP_TOL
+    llm = tiny_llm(pm, tok, lora_mode=mode)
+    assert _max_diff(_engine_prompt_logprobs(llm, prompt), _reference_prompt_logprobs(pm, prompt)) < LP_TOL
+    # An optimizer-like in-place step on the adapters is seen by the next generate.
+    layer = pm.base_model.model.model.layers[2]
+    with torch.no_grad():
+        layer.self_attn.q_proj.lora_B["default"].weight.mul_(-1.5)
+        if variant == "moe":
+            layer.experts.lora_B["default"].weight.mul_(-1.5)
+    assert _max_diff(_engine_prompt_logprobs(llm, prompt), _reference_prompt_logprobs(pm, prompt)) < LP_TOL
