@@ -183,19 +183,21 @@ class DecoderForward:
 
     def lora_targets(self) -> Targets:
         """What a LoRARequest adapter may adapt: each projection's (out, in) (from the first
-        layer that has it: shapes are the same in every layer of the supported families) and each
-        stacked expert parameter's (experts, out, in)."""
-        linear_shapes, expert_shapes = {}, {}
+        layer that has it, and per layer where a layer's differs) and each stacked expert
+        parameter's (experts, out, in)."""
+        linear_shapes, layer_shapes, expert_shapes = {}, {}, {}
         for i in range(len(self.spec.layers)):
             for name, module in self.projections(i).items():
                 if name in self.LORA_TARGETS:
-                    linear_shapes.setdefault(name, tuple(getattr(module, "base_layer", module).weight.shape))
+                    shape = tuple(getattr(module, "base_layer", module).weight.shape)
+                    if linear_shapes.setdefault(name, shape) != shape:
+                        layer_shapes[(i, name)] = shape
             experts = self.experts[i]
             if experts is not None and not expert_shapes:
                 expert_shapes = {f"experts.{name}": _math_shape(stack, experts.transposed)
                                  for name, stack in (("gate_up_proj", experts.gate_up),
                                                      ("down_proj", experts.down))}
-        return Targets(linear_shapes, expert_shapes)
+        return Targets(linear_shapes, expert_shapes, layer_shapes)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache) -> torch.Tensor:
         """input_ids (T,) -> final hidden states (T, hidden)."""
