@@ -257,3 +257,84 @@ def test_saved_adapter_by_lora_request_matches_peft(variant, tmp_path):
                              for o in outs)
     assert _max_diff(with_adapter, _reference_prompt_logprobs(ref, prompt)) < LP_TOL
     assert _max_diff(without, _reference_prompt_logprobs(base, prompt)) < LP_TOL
+
+
+# --------------------------------------------------------------------------------------------- real sizes
+
+
+def _preset_model(name: str, dtype: torch.dtype, device: str, num_layers: int | None = None):
+    from transformers import AutoModelForCausalLM
+
+    from flexrollout.models.gemma4_presets import GEMMA4_PRESETS, gemma4_config
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(gemma4_config(GEMMA4_PRESETS[name], 2048, num_layers),
+                                                 dtype=dtype)
+    return model.eval()
+
+
+def test_presets_have_the_real_layouts():
+    """The bench presets, built on the meta device: layer kinds, head dims, shared KV, experts,
+    and the KV bytes a token occupies (E2B: 15 computing layers of one KV head)."""
+    from flexrollout.attention.kv_cache import KVCache
+    from flexrollout.models import build_forward
+    from flexrollout.models.gemma4_presets import rows_only_weights
+
+    e2b = build_forward(_preset_model("gemma-4-e2b", torch.bfloat16, "meta"), torch.bfloat16).spec.layers
+    assert [l.window for l in e2b[:5]] == [512] * 4 + [None] and e2b[-1].window is None
+    assert [l.kv_source for l in e2b[15:20]] == [13] * 4 + [14] and e2b[34].kv_source == 14
+    assert KVCache.bytes_per_token(e2b, torch.bfloat16) == (12 * 2 * 256 + 3 * 2 * 512) * 2
+    model = _preset_model("gemma-4-26b-a4b", torch.bfloat16, "meta")
+    forward = build_forward(model, torch.bfloat16)
+    layers = forward.spec.layers
+    assert [(l.num_kv_heads, l.head_dim, l.window) for l in layers[4:6]] == [(8, 256, 1024), (2, 512, None)]
+    assert all(l.ffn == "mlp+moe" for l in layers) and forward.experts[0].gate_up.shape == (128, 1408, 2816)
+    assert not rows_only_weights(model)
+    dense = build_forward(_preset_model("gemma-4-31b", torch.bfloat16, "meta", 12), torch.bfloat16).spec.layers
+    assert [(l.num_kv_heads, l.head_dim) for l in dense[4:6]] == [(16, 256), (4, 512)]
+
+
+def _random_prompts(lengths, seed: int, vocab: int = 262144) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset,layers", [("gemma-4-e2b", 10), ("gemma-4-26b-a4b", 6), ("gemma-4-31b", 6)])
+def test_real_widths_fp32_greedy_matches_hf_with_graphs(preset, layers):
+    """Real widths at reduced depth (E2B: 5 KV-sharing layers; full layers at head_dim 512),
+    fp32 on the GPU, CUDA graphs on, prompts longer than the sliding windows (512 / 1024)."""
+    from flexrollout import LLM
+
+    model = _preset_model(preset, torch.float32, "cuda", layers)
+    prompts = _random_prompts((5, 300, 1100), seed=5)
+    llm = LLM(model, max_model_len=2048, max_num_seqs=8, num_kv_pages=64)
+    assert llm.llm_engine.runner.graphs is not None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt], device="cuda")
+        ref = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset,layers", [("gemma-4-e2b", 10), ("gemma-4-26b-a4b", 6)])
+def test_real_widths_bf16_graphs_match_eager(preset, layers):
+    """bf16 decode replayed as CUDA graphs (per-layer inputs, shared KV and experts captured)
+    gives the eager engine's tokens and logprobs."""
+    from flexrollout import LLM
+
+    model = _preset_model(preset, torch.bfloat16, "cuda", layers)
+    prompts = [{"prompt_token_ids": p} for p in _random_prompts((3, 64, 700), seed=6)]
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True, logprobs=1)
+    graphed = LLM(model, max_model_len=2048, max_num_seqs=8, num_kv_pages=64)
+    eager = LLM(model, max_model_len=2048, max_num_seqs=8, num_kv_pages=64, enforce_eager=True)
+    for x, y in zip(graphed.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False)):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        lp_x = [next(iter(d.values())).logprob for d in x.outputs[0].logprobs]
+        lp_y = [next(iter(d.values())).logprob for d in y.outputs[0].logprobs]
+        assert torch.allclose(torch.tensor(lp_x), torch.tensor(lp_y), atol=1e-2)
