@@ -259,6 +259,79 @@ def test_saved_adapter_by_lora_request_matches_peft(variant, tmp_path):
     assert _max_diff(without, _reference_prompt_logprobs(base, prompt)) < LP_TOL
 
 
+def test_trl_grpo_lora_on_the_multimodal_wrapper(tmp_path, monkeypatch):
+    """TRL's GRPOTrainer (colocate) with LoRA on the wrapper's language model: the engine runs over
+    the trainer's own model and its logprobs agree with TRL's forward within 1e-3."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    import flexrollout
+    from flexrollout.integrations import trl as fr_trl
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)      # TRL's colocate init sets them; restored after
+    monkeypatch.setattr(fr_trl, "_ENGINE_KWARGS", {})
+    fr_trl.patch_trl(num_kv_pages=40)
+    model, tok = make_tiny_gemma4("wrapper")
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, seed=0,
+                      per_device_train_batch_size=2, num_generations=2, max_completion_length=12,
+                      vllm_max_model_length=128, max_steps=2, learning_rate=1e-2, logging_steps=1,
+                      save_strategy="no", use_vllm=True, vllm_mode="colocate", temperature=1.0,
+                      dataloader_num_workers=0, disable_tqdm=True)
+    dataset = datasets.Dataset.from_dict({"prompt": [f"t{5 + i} t{40 + 3 * i} t{90 + i}" for i in range(4)]})
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj|o_proj|gate_proj)")
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [-abs(len(c) - 20) / 20.0
+                                                                             for c in completions],
+                          processing_class=tok, args=args, train_dataset=dataset, peft_config=lora)
+    llm = trainer.vllm_generation.llm
+    assert isinstance(llm, flexrollout.LLM) and llm.model is trainer.model
+    trainer.train()
+    assert trainer.state.global_step == 2
+    diffs = [e["sampling/sampling_logp_difference/max"] for e in trainer.state.log_history
+             if "sampling/sampling_logp_difference/max" in e]
+    assert diffs and max(diffs) < 1e-3, diffs
+
+
+def test_unsloth_fast_inference_on_the_wrapper_generates_like_hf(hf_greedy):
+    """Unsloth's `FastModel.from_pretrained(..., fast_inference=True)` (its signature, through a
+    stand-in loader returning the multimodal wrapper), then `get_peft_model`: fast_generate gives
+    HF's tokens; with `load_lora(..., load_tensors=True)` it runs the live adapter, without a
+    request the base model, as Unsloth's vLLM path does."""
+    from peft import LoraConfig, get_peft_model
+
+    from flexrollout.integrations import unsloth as plugin
+
+    model, tok = make_tiny_gemma4("wrapper", seed=3)
+
+    def from_pretrained(model_name="unsloth/gemma-4-E2B-it", max_seq_length=2048, dtype=None,
+                        load_in_4bit=True, fast_inference=False, gpu_memory_utilization=0.5):
+        return model, tok
+
+    loaded, _ = plugin.load_pretrained(from_pretrained, "tiny", max_seq_length=128, load_in_4bit=False,
+                                       fast_inference=True)
+    outs = loaded.fast_generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert _tokens(outs) == [hf_greedy(model, p, 12).tokens for p in PROMPTS]
+    lora = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                      target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|up_proj)")
+    pm = plugin._peft_then_attach(get_peft_model, loaded, lora).eval()   # Unsloth's get_peft_model
+    with torch.no_grad():
+        for name, param in pm.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(1)))
+    prompt = PROMPTS[0]
+    with pm.disable_adapter():
+        base = _reference_prompt_logprobs(pm, prompt)
+    expected = _reference_prompt_logprobs(pm, prompt)
+    assert _max_diff(base, expected) > 100 * LP_TOL
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    for request, reference in ((None, base), (pm.load_lora("grpo", load_tensors=True), expected)):
+        out = pm.fast_generate([{"prompt_token_ids": prompt}], params, use_tqdm=False, lora_request=request)
+        ours = [out[0].prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]
+        assert _max_diff(ours, reference) < LP_TOL       # Unsloth's rule: no request, no adapter
+
+
 # --------------------------------------------------------------------------------------------- real sizes
 
 
