@@ -33,7 +33,7 @@ from .base import DecoderForward, LayerFns, PerToken, Step
 
 logger = logging.getLogger(__name__)
 
-SLIDING, FULL = "sliding_attention", "full_attention"
+SLIDING = "sliding_attention"
 ACT_GELU_TANH = activation("gelu_pytorch_tanh")     # what the stacked experts compute
 
 
@@ -152,11 +152,10 @@ class Gemma4Forward(DecoderForward):
         self.eps = cfg.rms_norm_eps
         self.act = activation(cfg.hidden_activation)
         self.ple = bool(cfg.hidden_size_per_layer_input)
-        # Multimodal placeholders (images, video, audio) need the wrapper's encoders.
+        # The multimodal wrapper's placeholder tokens (images, video, audio) need its encoders.
         wrapper = hf_model.config
-        self.placeholders = [getattr(wrapper, name) for name in
-                             ("image_token_id", "video_token_id", "audio_token_id")
-                             if getattr(wrapper, name, None) is not None and wrapper is not cfg]
+        names = ("image_token_id", "video_token_id", "audio_token_id") if wrapper is not cfg else ()
+        self.placeholders = [getattr(wrapper, n) for n in names if getattr(wrapper, n, None) is not None]
         super().__init__(hf_model, dtype, merged)
 
     # -- the engine's view -------------------------------------------------------------------
@@ -260,6 +259,7 @@ class Gemma4Forward(DecoderForward):
         return embeds
 
     def _refuse_multimodal(self, input_ids: torch.Tensor) -> None:
+        """Prefill only (one host sync per prefill step, none in decode)."""
         ids = torch.tensor(self.placeholders, device=input_ids.device)
         if bool(torch.isin(input_ids, ids).any()):
             raise NotImplementedError(
