@@ -164,10 +164,11 @@ class Gemma4Forward(DecoderForward):
         sources = kv_sources(cfg.layer_types, getattr(cfg, "num_kv_shared_layers", 0) or 0)
         layers = []
         for index, kind in enumerate(cfg.layer_types):
-            per_layer = cfg.per_layer_config[index]
+            attn = self.text.layers[index].self_attn     # its head_dim and GQA group are its own
+            heads = cfg.num_attention_heads
             layers.append(LayerSpec(
-                num_heads=cfg.num_attention_heads, num_kv_heads=per_layer.num_key_value_heads,
-                head_dim=per_layer.head_dim, window=cfg.sliding_window if kind == SLIDING else None,
+                num_heads=heads, num_kv_heads=heads // attn.num_key_value_groups,
+                head_dim=attn.head_dim, window=cfg.sliding_window if kind == SLIDING else None,
                 scale=1.0, kv_source=sources[index],
                 ffn="mlp+moe" if cfg.enable_moe_block else "mlp"))
         shared = sum(s is not None for s in sources)
