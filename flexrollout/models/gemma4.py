@@ -247,8 +247,9 @@ class Gemma4Forward(DecoderForward):
     def embed(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
         if self.placeholders and not step.meta.decode:
             self._refuse_multimodal(input_ids)
-        table = self.text.embed_tokens
-        embeds = (F.embedding(input_ids, table.weight) * table.embed_scale.to(table.weight.dtype)).to(self.dtype)
+        table = self.text.embed_tokens      # × √H, rounded to the table's dtype as HF does
+        scale = table.embed_scale.to(table.weight.dtype)
+        embeds = (F.embedding(input_ids, table.weight) * scale).to(self.dtype)
         if self.ple:
             text = self.text
             step.extra["per_layer_inputs"] = per_layer_inputs(
