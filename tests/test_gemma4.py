@@ -195,6 +195,20 @@ def test_multimodal_inputs_are_a_clear_error():
     assert len(_tokens(llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False))[0]) == 12
 
 
+def test_checkpoint_by_path_loads_the_wrapper(tmp_path, hf_greedy):
+    """A saved `gemma4` checkpoint loads (transformers' causal-LM auto class gives the
+    multimodal wrapper) and generates HF's tokens."""
+    from flexrollout import LLM
+
+    model, tok = make_tiny_gemma4("wrapper")
+    model.save_pretrained(str(tmp_path / "ckpt"))
+    llm = LLM(str(tmp_path / "ckpt"), tokenizer=tok, dtype="float32", max_model_len=128, max_num_seqs=4,
+              block_size=16, num_gpu_blocks_override=64, device="cpu")
+    assert type(llm.model).__name__ == "Gemma4ForConditionalGeneration"
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+    assert _tokens(outs) == [hf_greedy(model, PROMPTS[0], 12).tokens]
+
+
 # --------------------------------------------------------------------------------------------- LoRA
 
 
