@@ -209,6 +209,22 @@ def test_checkpoint_by_path_loads_the_wrapper(tmp_path, hf_greedy):
     assert _tokens(outs) == [hf_greedy(model, PROMPTS[0], 12).tokens]
 
 
+def test_kv_sources_and_unsupported_configs_are_clear():
+    from flexrollout.models.gemma4 import kv_sources
+
+    types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    assert kv_sources(types, 0) == [None] * 5
+    assert kv_sources(types, 3) == [None, None, 0, 0, 1]
+    with pytest.raises(ValueError, match="no earlier layer"):
+        kv_sources(["sliding_attention", "full_attention"], 1)
+    from flexrollout import LLM
+
+    model, tok = make_tiny_gemma4("dense")
+    model.config.use_bidirectional_attention = "all"
+    with pytest.raises(NotImplementedError, match="causal"):
+        LLM(model, tokenizer=tok, dtype="float32", max_model_len=64, num_gpu_blocks_override=8)
+
+
 # --------------------------------------------------------------------------------------------- LoRA
 
 
