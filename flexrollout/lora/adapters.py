@@ -21,7 +21,8 @@ from ..lora_request import LoRARequest
 
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 # PEFT nests one ParamWrapper per adapted expert parameter; each level adds a `base_layer.`.
-_EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)lora_([AB])(?:\.[\w-]+)?\.weight$")
+# (Gemma-4 keeps its experts beside the MLP, `layers.N.experts`, not under it.)
+_EXPERT_KEY = re.compile(r"layers\.(\d+)\.(?:mlp\.)?experts\.((?:base_layer\.)*)lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class Targets:
 
     linear: dict[str, tuple[int, int]]
     experts: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    # (layer, projection name) -> (out, in) where a layer's projection differs from `linear`
+    # (Gemma-4's full-attention layers have a wider head; its KV-sharing layers a wider MLP).
+    layers: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -110,11 +114,11 @@ def _target_of(key: str, cfg: dict, targets: Targets, num_layers: int, where: st
     return layer, name, which
 
 
-def _expected_shapes(targets: Targets, name: str, rank: int) -> tuple[tuple, tuple]:
+def _expected_shapes(targets: Targets, name: str, rank: int, layer: int) -> tuple[tuple, tuple]:
     if name in targets.experts:
         experts, out_features, in_features = targets.experts[name]
         return (experts * rank, in_features), (out_features, rank * experts)
-    out_features, in_features = targets.linear[name]
+    out_features, in_features = targets.layers.get((layer, name), targets.linear[name])
     return (rank, in_features), (out_features, rank)
 
 
@@ -139,7 +143,7 @@ def load_adapter(request: LoRARequest, num_layers: int, targets: Targets,
             raise ValueError(f"{where}: layer {layer} {name} lacks lora_{'B' if 'A' in ab else 'A'}")
         rank, scaling = _scaling(cfg, name.rsplit(".", 1)[-1])
         a, b = ab["A"], ab["B"]
-        shape_a, shape_b = _expected_shapes(targets, name, rank)
+        shape_a, shape_b = _expected_shapes(targets, name, rank, layer)
         if a.shape != shape_a or b.shape != shape_b:
             raise ValueError(f"{where}: layer {layer} {name} has A {tuple(a.shape)} / B {tuple(b.shape)}, "
                              f"expected {shape_a} / {shape_b}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .base import DecoderForward, ForwardOptions
+from .gemma4 import Gemma4Forward
 from .gpt_oss import GptOssForward
 from .llama import LlamaForward
 from .qwen3_moe import Qwen3MoeForward
@@ -14,6 +15,8 @@ _FORWARDS = {
     "qwen2": LlamaForward,
     "qwen3_moe": Qwen3MoeForward,
     "gpt_oss": GptOssForward,
+    "gemma4": Gemma4Forward,
+    "gemma4_text": Gemma4Forward,
 }
 
 

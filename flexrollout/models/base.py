@@ -65,24 +65,37 @@ class Step:
     extra: dict                      # per-step tensors an architecture adds (Gemma-4's PLE)
 
 
+@dataclass(frozen=True)
+class PerToken:
+    """A layer-function argument with one row per token of the step (Gemma-4's per-layer
+    inputs): when a long prefill's `post` runs in row chunks, each chunk gets its own rows."""
+
+    rows: torch.Tensor
+
+
+def token_rows(args: tuple, start: int | None = None, stop: int | None = None) -> tuple:
+    """`args` with every `PerToken` replaced by its rows [start:stop] (all rows by default)."""
+    return tuple(a.rows[start:stop] if isinstance(a, PerToken) else a for a in args)
+
+
 def in_row_chunks(fn, chunk: int, x: torch.Tensor, residual: torch.Tensor, *args) -> torch.Tensor:
     """`fn(x, residual, *args)`, `chunk` rows at a time, for a row-wise `fn` (an output row reads
-    only the same row of `x` and `residual`). Each chunk's result is written over those rows of
-    `residual`, so the activations inside `fn` peak at `chunk` rows' worth, not the prefill's. The
-    caller must own `residual` and not read it again."""
+    only the same row of `x`, `residual` and of each `PerToken` argument). Each chunk's result is
+    written over those rows of `residual`, so the activations inside `fn` peak at `chunk` rows'
+    worth, not the prefill's. The caller must own `residual` and not read it again."""
     rows = x.shape[0]
     if rows <= chunk:
-        return fn(x, residual, *args)
+        return fn(x, residual, *token_rows(args))
     for start in range(0, rows, chunk):
         stop = start + chunk
-        residual[start:stop] = fn(x[start:stop], residual[start:stop], *args)
+        residual[start:stop] = fn(x[start:stop], residual[start:stop], *token_rows(args, start, stop))
     return residual
 
 
 def post_then_pre(out, residual, post, post_args: tuple, pre, pre_args: tuple):
     """One layer's `post` and the next layer's `pre` as one compiled region."""
-    hidden = post(out, residual, *post_args)
-    return pre(hidden, *pre_args), hidden
+    hidden = post(out, residual, *token_rows(post_args))
+    return pre(hidden, *token_rows(pre_args)), hidden
 
 
 class DecoderForward:
@@ -173,19 +186,21 @@ class DecoderForward:
 
     def lora_targets(self) -> Targets:
         """What a LoRARequest adapter may adapt: each projection's (out, in) (from the first
-        layer that has it: shapes are the same in every layer of the supported families) and each
-        stacked expert parameter's (experts, out, in)."""
-        linear_shapes, expert_shapes = {}, {}
+        layer that has it, and per layer where a layer's differs) and each stacked expert
+        parameter's (experts, out, in)."""
+        linear_shapes, layer_shapes, expert_shapes = {}, {}, {}
         for i in range(len(self.spec.layers)):
             for name, module in self.projections(i).items():
                 if name in self.LORA_TARGETS:
-                    linear_shapes.setdefault(name, logical_shape(getattr(module, "base_layer", module).weight))
+                    shape = logical_shape(getattr(module, "base_layer", module).weight)
+                    if linear_shapes.setdefault(name, shape) != shape:
+                        layer_shapes[(i, name)] = shape
             experts = self.experts[i]
             if experts is not None and not expert_shapes:
                 expert_shapes = {f"experts.{name}": _math_shape(stack, experts.transposed)
                                  for name, stack in (("gate_up_proj", experts.gate_up),
                                                      ("down_proj", experts.down))}
-        return Targets(linear_shapes, expert_shapes)
+        return Targets(linear_shapes, expert_shapes, layer_shapes)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache) -> torch.Tensor:
         """input_ids (T,) -> final hidden states (T, hidden)."""
@@ -198,7 +213,7 @@ class DecoderForward:
         for i, spec in enumerate(layers):
             fns = self.fns[i]
             if mixer_in is None:
-                mixer_in = self._fn(fns.pre, eager)(hidden, *self.pre_args(i, step))
+                mixer_in = self._fn(fns.pre, eager)(hidden, *token_rows(self.pre_args(i, step)))
             out = self.mix(i, spec, mixer_in, step)
             if fused and i + 1 < len(layers):
                 region = self._fn(post_then_pre, eager)
