@@ -410,7 +410,8 @@ def _peak_bytes(device: str) -> int:
 def _progress(total: int):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="run", dynamic_ncols=True, leave=False)
+    # disable=None: drawn on a terminal only, so logs and pipes get the info lines alone.
+    return tqdm(total=total, unit="run", dynamic_ncols=True, leave=False, disable=None)
 
 
 # (column title, row key, format) of the results table.

@@ -1,7 +1,7 @@
 """flexrollout's command line: generate, chat, bench, cache.
 
-Every flag is checked before torch, transformers or a model load (seconds to a minute): a user
-error is one line on stderr and exit status 2, never a traceback.
+Every flag is checked before a model is loaded (seconds to a minute): a user error is one line
+on stderr and exit status 2, never a traceback.
 """
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ def check_model_args(args) -> None:
     check_model_path(args.model, args.gguf_file)
     if args.model is None or args.gguf_file:
         check_modules(["gguf", "accelerate"], DEMO_EXTRA_HINT)
+    if args.model is None:
+        default_model()         # raises with the install line when the wheel is missing
 
 
 # -- model -------------------------------------------------------------------------------------

@@ -129,9 +129,8 @@ def _convert_gguf(model_dir: str, gguf_file: str, entry: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file)
     # The loaded weights are dense (dequantized); transformers still marks the model as GGUF-
     # quantized and refuses to save it. This model object is ours and is dropped after the save.
-    hf.hf_quantizer = None
-    if hasattr(hf.config, "quantization_config"):
-        del hf.config.quantization_config
+    if getattr(hf, "hf_quantizer", None) is not None:
+        hf.hf_quantizer.remove_quantization_config(hf)
     # BPE tokenizers ignore this clean-up (transformers warns on every load); saving False keeps
     # the decoding as it is and the warning out of every later run.
     tokenizer.clean_up_tokenization_spaces = False
