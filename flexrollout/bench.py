@@ -256,6 +256,8 @@ def bench(args) -> dict:
     from . import LLM, SamplingParams
 
     device = resolve_defaults(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     result: dict = {"preset": args.preset, "model": args.model, "device": device, "dtype": args.dtype,
@@ -429,7 +431,8 @@ def format_row(row: dict) -> str:
 
 def table_lines(result: dict) -> list[str]:
     """The header (what ran, where) and a table with only the columns some row has."""
-    where = result.get("gpu") or f"CPU, {result.get('cpu_threads')} threads"
+    threads = result.get("cpu_threads")
+    where = result.get("gpu") or f"CPU, {threads} thread{'' if threads == 1 else 's'}"
     head = [f"{result['name']} {result['dtype']} on {where}, torch {result['torch']}: "
             f"weights {result['weight_GB']:.2f} GB, copy bandwidth {result['bandwidth_GBs']:.1f} GB/s, "
             f"start-up {result['startup_s']:.1f} s",
@@ -487,7 +490,7 @@ def check_args(args) -> None:
         check_modules(["gguf"], DEMO_EXTRA_HINT)
     if args.model not in (None, "embedded"):
         check_model_path(args.model, args.gguf_file)
-    for name in ("prompt_len", "max_tokens", "repeat", "hf_max_tokens"):
+    for name in ("prompt_len", "max_tokens", "repeat", "hf_max_tokens", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -558,6 +561,9 @@ def add_bench_parser(p) -> None:
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's own choice); 1 gives steadier "
+                        "figures on a shared machine")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--lora-rank", type=int, default=0, help="wrap the model in PEFT LoRA of this rank")
