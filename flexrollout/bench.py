@@ -255,7 +255,7 @@ def _load_model(args, dtype: torch.dtype, device: str, model_len: int):
 def bench(args) -> dict:
     from . import LLM, SamplingParams
 
-    device = resolve_defaults(args)
+    device = args.device          # resolved by check_args
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
@@ -481,10 +481,17 @@ def check_args(args) -> None:
 
     if args.preset and args.model:
         raise UserError("pass --preset or --model, not both")
+    if args.device:
+        check_device(args.device)
+    args.device = resolve_defaults(args)
+    if args.model == "embedded":
+        from .model_files import default_model
+
+        default_model()         # raises with the install line when the wheel is missing
     if args.plot:
         check_modules(["matplotlib"], "--plot needs matplotlib: install flexrollout with its [bench] "
                       "extra (pip install '.[bench]' in the repository)")
-    if args.compare == "hf" or args.model in (None, "embedded"):
+    if args.compare == "hf" or args.model is not None:
         check_modules(["accelerate"], DEMO_EXTRA_HINT)
     if args.model == "embedded" or args.gguf_file:
         check_modules(["gguf"], DEMO_EXTRA_HINT)
@@ -504,8 +511,6 @@ def check_args(args) -> None:
     unknown = set(args.workload.split(",")) - {"decode", "grpo", "prefill"}
     if unknown:
         raise UserError(f"--workload: unknown {', '.join(sorted(unknown))} (decode, grpo, prefill)")
-    if args.device:
-        check_device(args.device)
     for name in ("kernel_options", "engine_args"):
         _check_json(name, getattr(args, name))
 
