@@ -565,7 +565,7 @@ def add_bench_parser(p) -> None:
                    help="new tokens for the HF baseline (default: 64 on CUDA, --max-tokens on CPU)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's own choice); 1 gives steadier "
                         "figures on a shared machine")
