@@ -123,7 +123,7 @@ prefill_ab)
   # Llama-3.2-3B prefill (64 x 512, max_num_seqs 64) with the q/k/v epilogue kernel on and off.
   pre="--preset llama-3.2-3b --workload prefill --batch-sizes 64"
   { for v in ${AB_ORDER:-true false true}; do echo "qkv_epilogue $v"
-      bench 80 $pre --engine-args "{\"qkv_epilogue\": $v}" | grep -e prefill_tok | cut -c1-200; done; } \
+      bench 80 $pre --engine-args "{\"qkv_epilogue\": $v}" | grep -e "INFO.*prefill tok/s" | cut -c1-200; done; } \
     > "$out/prefill_ab.txt"
   names="gpu prefill_ab" ;;
 moe_tests)

