@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from .models.gemma4_presets import GEMMA4_PRESETS, experts_per_token, gemma4_config, rows_only_weights
+
 logger = logging.getLogger(__name__)
 
 # Real sizes (each model's config.json on the Hugging Face hub). rope: (theta, llama3 scaling factor or None).
@@ -28,6 +30,7 @@ PRESETS = {
     "gpt-oss-20b": dict(arch="gpt_oss", hidden=2880, inter=2880, experts=32, top_k=4, layers=24, heads=64, kv=8, hd=64, vocab=201088, theta=150000.0, tie=False, window=128),
     "tiny-llama": dict(arch="llama", hidden=64, inter=128, layers=2, heads=4, kv=2, hd=16, vocab=512, theta=1e4, tie=False, llama3=8.0),
     "tiny-qwen3": dict(arch="qwen3", hidden=64, inter=128, layers=2, heads=4, kv=2, hd=16, vocab=512, theta=1e6, tie=True),
+    **GEMMA4_PRESETS,
 }
 
 
@@ -35,6 +38,8 @@ def preset_config(name: str, max_position_embeddings: int = 8192, num_layers: in
     """A transformers config with the preset's real sizes (`num_layers`: fewer layers, same widths)."""
     from transformers import LlamaConfig, Qwen3Config
 
+    if PRESETS[name]["arch"] == "gemma4":
+        return gemma4_config(PRESETS[name], max_position_embeddings, num_layers)
     p = dict(PRESETS[name], **({"layers": num_layers} if num_layers else {}))
     if p["arch"] in ("qwen3_moe", "gpt_oss"):
         return _moe_config(p, max_position_embeddings)
@@ -74,14 +79,15 @@ def bytes_per_step(llm, model, batch: int, context: float) -> float:
     """HBM bytes one decode step must read: every weight once, except that an untied input
     embedding table is read only at the batch's rows and a MoE layer reads only the experts its
     tokens chose (with random routing E * (1 - (1 - k/E)^B) distinct of E), plus each layer's
-    KV of every sequence (a sliding layer's window at most; a KV-sharing layer none of its own)."""
+    KV of every sequence (a sliding layer's window at most; a KV-sharing layer reads its source's)."""
     forward = llm.llm_engine.forward
     total = float(_weight_bytes(model))
     embed = model.get_input_embeddings().weight
     if embed.data_ptr() != model.get_output_embeddings().weight.data_ptr():
         total -= embed.numel() * embed.element_size() * (1 - batch / embed.shape[0])
-    config = model.config
-    top_k = getattr(config, "num_experts_per_tok", 0)
+    for table in rows_only_weights(model):      # Gemma-4's per-layer input embedding
+        total -= table.numel() * table.element_size() * (1 - batch / table.shape[0])
+    top_k = experts_per_token(model.config)
     for experts in forward.experts:
         if experts is None:
             continue
@@ -92,7 +98,7 @@ def bytes_per_step(llm, model, batch: int, context: float) -> float:
         total -= stack_bytes * (1 - touched / count)
     elem = torch.empty((), dtype=llm.llm_engine.model_config.dtype).element_size()
     for spec in llm.llm_engine.spec.layers:
-        if spec.owns_kv:
+        if spec.mixer == "attention":          # a KV-sharing layer reads its source's pages
             tokens = context if spec.window is None else min(context, spec.window)
             total += batch * tokens * 2 * spec.num_kv_heads * spec.head_dim * elem
     return total
