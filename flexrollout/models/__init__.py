@@ -6,6 +6,7 @@ import torch
 from .base import DecoderForward, ForwardOptions
 from .gpt_oss import GptOssForward
 from .llama import LlamaForward
+from .qwen3_5 import Qwen3_5Forward
 from .qwen3_moe import Qwen3MoeForward
 
 _FORWARDS = {
@@ -14,6 +15,10 @@ _FORWARDS = {
     "qwen2": LlamaForward,
     "qwen3_moe": Qwen3MoeForward,
     "gpt_oss": GptOssForward,
+    "qwen3_5": Qwen3_5Forward,
+    "qwen3_5_text": Qwen3_5Forward,
+    "qwen3_5_moe": Qwen3_5Forward,
+    "qwen3_5_moe_text": Qwen3_5Forward,
 }
 
 
