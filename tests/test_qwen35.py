@@ -1,0 +1,204 @@
+"""Qwen3.5 hybrids (GatedDeltaNet linear attention + gated full attention; dense and MoE with a
+shared expert) against HF transformers, fp32 on CPU, where both run the torch gated delta rule.
+
+Tiny configs: 4 layers alternating linear / full attention (full_attention_interval 2), hidden 64,
+2 key / 4 value linear heads (so key heads are shared by two value heads), head_dim 16 with
+partial rope 0.25. Weights are re-drawn so every block matters (sharp q/k, conv taps 0.5 N(0, 1),
+norms away from their init). References: HF `generate` (greedy) and HF's teacher-forced forward.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_EOS, TINY_VOCAB, make_tiny_tokenizer, random_prompts, tiny_llm
+from flexrollout import SamplingParams
+
+ARCHS = ["dense", "moe"]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+LP_TOL = 1e-4
+MIXED = random_prompts([11, 7, 23, 3], seed=7)
+
+
+def make_tiny_qwen35(arch: str, seed: int = 0):
+    """(model, tokenizer): a tiny random Qwen3.5 text model (`Qwen3_5ForCausalLM` or
+    `Qwen3_5MoeForCausalLM`), fp32, eval mode."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=128, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  full_attention_interval=2, max_position_embeddings=512, bos_token_id=1,
+                  eos_token_id=TINY_EOS, pad_token_id=0, tie_word_embeddings=False)
+    if arch == "moe":
+        config = Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=32, **common)
+    else:
+        config = Qwen3_5TextConfig(**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".layers." not in name or name.endswith(("A_log", "dt_bias")):
+                continue
+            if "norm" in name:     # zero-centred norms (1 + w), and the gated norm's plain w
+                param.copy_((1.0 if "linear_attn.norm" in name else 0.0)
+                            + 0.1 * torch.randn(param.shape, generator=gen))
+            elif "conv1d" in name or ".gate." in name:
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    model.eval()
+    return model, make_tiny_tokenizer(TINY_VOCAB, TINY_EOS)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request):
+    return make_tiny_qwen35(request.param)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _prompts(ids) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in ids]
+
+
+@torch.no_grad()
+def _teacher_forced(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+def test_torch_gated_delta_rule_matches_hf_fallbacks():
+    """The chunked reference (from a non-zero state, across a chunk boundary) and the one-token
+    decode step against transformers' own torch_chunk / torch_recurrent gated delta rules."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    from flexrollout.layers import gated_delta as gd
+
+    gen = torch.Generator().manual_seed(0)
+    batch, length, heads, dk, dv = 2, 70, 4, 16, 8
+    q, k = torch.randn(batch, length, heads, dk, generator=gen), torch.randn(batch, length, heads, dk, generator=gen)
+    v = torch.randn(batch, length, heads, dv, generator=gen)
+    g, beta = -torch.rand(batch, length, heads, generator=gen), torch.rand(batch, length, heads, generator=gen)
+    state = torch.randn(batch, heads, dk, dv, generator=gen)
+    kwargs = dict(initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref_out, ref_state = hf.torch_chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
+    out, final = gd.chunked_rule(q, k, v, g, beta, state)
+    assert (out - ref_out).abs().max() < 1e-5 and (final - ref_state).abs().max() < 1e-5
+    rec_out, rec_state = hf.torch_recurrent_gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1],
+                                                            beta[:, :1], **kwargs)
+    step_out, step_state = gd.recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+    assert (step_out - rec_out[:, 0]).abs().max() < 1e-6 and (step_state - rec_state).abs().max() < 1e-6
+
+
+def test_packed_conv_matches_hf_conv_with_history():
+    """Packed causal conv: each sequence continues from its own K-input history (zeros = a fresh
+    sequence), as HF's causal_conv1d_fn over [history, chunk]; the new history is the last K inputs."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    from flexrollout.layers import gated_delta as gd
+
+    gen = torch.Generator().manual_seed(1)
+    channels, width, lengths = 6, 4, [5, 1, 2]
+    weight = torch.randn(channels, width, generator=gen)
+    history = torch.randn(len(lengths), channels, width, generator=gen)
+    history[1] = 0.0
+    x = torch.randn(sum(lengths), channels, generator=gen)
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    seq, offset = gd.packed_layout(cu, x.shape[0])
+    out, new_history = gd.conv_prefill(x, weight, history, seq, offset, cu)
+    for n, (start, stop) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        full = torch.cat([history[n], x[start:stop].T], dim=-1)[None]
+        ref = hf.causal_conv1d_fn(full, weight, None, activation="silu")[0, :, width:].T
+        assert (out[start:stop] - ref).abs().max() < 1e-6
+        assert torch.equal(new_history[n], full[0, :, -width:])
+    step, window = gd.conv_decode(x[:3], weight, history)
+    state = history.clone()
+    ref = hf.causal_conv1d_update(x[:3, :, None], state, weight, None, "silu")[..., 0]
+    assert (step - ref).abs().max() < 1e-6 and torch.equal(window, state)
+
+
+# --------------------------------------------------------------------------------------------- engine
+
+
+def test_spec_states_and_mixed_batch_with_slot_reuse_match_hf(tiny, hf_greedy):
+    """Four prompts of different lengths, two slots: packed prefill of several sequences, decode
+    of several, and slots handed to new sequences while others run (their state starts at zero)."""
+    model, tok = tiny
+    llm = tiny_llm(model, tok, max_num_seqs=2)
+    spec = llm.llm_engine.spec
+    assert [layer.mixer for layer in spec.layers] == ["linear", "attention"] * 2
+    cache = llm.llm_engine.cache
+    assert cache.states[0]["conv"].shape == (3, 2 * 32 + 64, 4)
+    assert cache.states[0]["recurrent"].shape == (3, 4, 16, 16)
+    assert cache.states[0]["recurrent"].dtype == torch.float32 and cache.states[1] == {}
+    outs = llm.generate(_prompts(MIXED), GREEDY, use_tqdm=False)
+    assert _tokens(outs) == [hf_greedy(model, p, 10).tokens for p in MIXED]
+
+
+def test_chunked_prefill_matches_hf(tiny, hf_greedy):
+    """A 70-token prompt prefilled in 16-token engine chunks (state and conv history carried from
+    chunk to chunk), and in one step (the torch rule crosses its 64-token chunk)."""
+    model, tok = tiny
+    prompt = random_prompts([70], seed=3)[0]
+    ref = hf_greedy(model, prompt, 10).tokens
+    for budget in (16, 256):
+        llm = tiny_llm(model, tok, max_num_batched_tokens=budget)
+        before = llm.llm_engine.stats.prefill_steps
+        assert _tokens(llm.generate(_prompts([prompt, MIXED[1]]), GREEDY, use_tqdm=False))[0] == ref
+        assert (llm.llm_engine.stats.prefill_steps - before > 1) == (budget == 16)
+
+
+def test_prompt_and_sampled_logprobs_match_hf_teacher_forced(tiny):
+    model, tok = tiny
+    llm = tiny_llm(model, tok)
+    prompt = MIXED[2]
+    out = llm.generate(_prompts([prompt]), SamplingParams(max_tokens=8, temperature=1.0, seed=3, logprobs=2,
+                                                          prompt_logprobs=0, ignore_eos=True), use_tqdm=False)[0]
+    generated = out.outputs[0].token_ids
+    lp = _teacher_forced(model, prompt + generated)
+    prompt_errors = [abs(out.prompt_logprobs[i][prompt[i]].logprob - float(lp[i - 1, prompt[i]]))
+                     for i in range(1, len(prompt))]
+    assert max(prompt_errors) < LP_TOL
+    for step, token in enumerate(generated):
+        row = lp[len(prompt) - 1 + step]
+        assert abs(out.outputs[0].logprobs[step][token].logprob - float(row[token])) < LP_TOL
+
+
+def test_groups_fork_states_and_preemption_recomputes(tiny, hf_greedy, engine_stats):
+    """n = 3 samples of a prompt prefill once and each continues from its own copy of the state;
+    with too few pages sequences are preempted and recomputed from scratch."""
+    model, tok = tiny
+    prompt = MIXED[0] + MIXED[3]                          # 14 tokens: a partly filled page
+    ref = hf_greedy(model, prompt, 10).tokens
+    llm = tiny_llm(model, tok)
+    before = engine_stats(llm)
+    outs = llm.generate(_prompts([prompt] * 3), GREEDY, use_tqdm=False)
+    assert _tokens(outs) == [ref] * 3
+    assert engine_stats(llm)["prefill_tokens"] - before["prefill_tokens"] == len(prompt)
+    # Sampled members diverge; each one's logprobs are HF's along its own tokens.
+    sampled = llm.generate(_prompts([prompt]), SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=5,
+                                                              logprobs=0, ignore_eos=True), use_tqdm=False)
+    members = sampled[0].outputs
+    assert len({tuple(c.token_ids) for c in members}) > 1
+    for member in members:
+        lp = _teacher_forced(model, prompt + member.token_ids)
+        errors = [abs(member.logprobs[i][t].logprob - float(lp[len(prompt) - 1 + i, t]))
+                  for i, t in enumerate(member.token_ids)]
+        assert max(errors) < LP_TOL
+    # 4 pages of 16 tokens: 14 + 20 and 7 + 20 tokens need 5, so the later one is preempted.
+    small = tiny_llm(model, tok, num_gpu_blocks_override=4)
+    before = engine_stats(small)
+    prompts = [prompt, MIXED[1]]
+    outs = small.generate(_prompts(prompts), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                          use_tqdm=False)
+    assert engine_stats(small)["preemptions"] > before["preemptions"]
+    assert _tokens(outs) == [hf_greedy(model, p, 20).tokens for p in prompts]
