@@ -37,6 +37,13 @@ def make_tiny_qwen35(arch: str, seed: int = 0):
         config = Qwen3_5TextConfig(**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _redraw(model, seed)
+    return model, make_tiny_tokenizer(TINY_VOCAB, TINY_EOS)
+
+
+def _redraw(model, seed: int) -> None:
+    """Decoder weights drawn so that every block moves the logits (HF's init leaves them nearly
+    uniform); eval mode."""
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -52,7 +59,6 @@ def make_tiny_qwen35(arch: str, seed: int = 0):
             else:
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
     model.eval()
-    return model, make_tiny_tokenizer(TINY_VOCAB, TINY_EOS)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -202,3 +208,103 @@ def test_groups_fork_states_and_preemption_recomputes(tiny, hf_greedy, engine_st
                           use_tqdm=False)
     assert engine_stats(small)["preemptions"] > before["preemptions"]
     assert _tokens(outs) == [hf_greedy(model, p, 20).tokens for p in prompts]
+
+
+# --------------------------------------------------------------------------------------------- LoRA
+
+
+def _peft_qwen35(arch: str, seed: int = 2):
+    """PEFT adapters on gated attention, every GatedDeltaNet projection and the MLP (the shared
+    expert's in the MoE), large enough to move the logits well beyond the tolerance."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = make_tiny_qwen35(arch, seed=seed)
+    targets = ["q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+               "down_proj"]
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                          init_lora_weights=False)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in pm.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+    return pm, tok
+
+
+def _prompt_logprobs(llm, prompt, **kwargs) -> list[float]:
+    out = llm.generate(_prompts([prompt]), SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                       use_tqdm=False, **kwargs)[0]
+    return [out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]
+
+
+def _reference_logprobs(model, prompt) -> list[float]:
+    lp = _teacher_forced(model, prompt)
+    return [float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+
+
+def _max_error(a, b) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("mode", ["live", "merged"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_on_linear_attention_matches_peft(arch, mode, hf_greedy):
+    pm, tok = _peft_qwen35(arch)
+    prompt = MIXED[0]
+    with pm.disable_adapter():
+        base = _reference_logprobs(pm, prompt)
+    expected = _reference_logprobs(pm, prompt)
+    assert _max_error(base, expected) > 100 * LP_TOL
+    llm = tiny_llm(pm, tok, lora_mode=mode)
+    assert _max_error(_prompt_logprobs(llm, prompt), expected) < LP_TOL
+    assert _tokens(llm.generate(_prompts([prompt]), GREEDY, use_tqdm=False)) == [hf_greedy(pm, prompt, 10).tokens]
+    # An optimizer-like in-place step on a GatedDeltaNet adapter is seen by the next generate.
+    with torch.no_grad():
+        pm.base_model.model.model.layers[0].linear_attn.in_proj_qkv.lora_B["default"].weight.mul_(-1.5)
+    assert _max_error(_prompt_logprobs(llm, prompt), _reference_logprobs(pm, prompt)) < LP_TOL
+
+
+def test_lora_request_on_linear_attention_matches_peft(tmp_path):
+    """A saved adapter that adapts GatedDeltaNet projections, given by LoRARequest over the base
+    model, equals PEFT's model loaded from that directory; rows without it run the base."""
+    from peft import PeftModel
+
+    from flexrollout import LoRARequest
+
+    pm, tok = _peft_qwen35("dense", seed=5)
+    pm.save_pretrained(str(tmp_path / "adapter"))
+    base, _ = make_tiny_qwen35("dense", seed=5)
+    reference = PeftModel.from_pretrained(make_tiny_qwen35("dense", seed=5)[0], str(tmp_path / "adapter")).eval()
+    prompt = MIXED[2]
+    llm = tiny_llm(base, tok)
+    request = LoRARequest("saved", 1, str(tmp_path / "adapter"))
+    assert _max_error(_prompt_logprobs(llm, prompt, lora_request=request),
+                      _reference_logprobs(reference, prompt)) < LP_TOL
+    assert _max_error(_prompt_logprobs(llm, prompt), _reference_logprobs(base, prompt)) < LP_TOL
+
+
+# --------------------------------------------------------------------------------------------- multimodal
+
+
+def test_multimodal_checkpoint_runs_its_language_model(hf_greedy):
+    """`Qwen3_5ForConditionalGeneration` (the VLM checkpoints' class): text prompts run over the
+    wrapper's own language model and lm_head; image input is a clear error."""
+    from transformers import Qwen3_5Config
+    from transformers.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+
+    text = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, intermediate_size=128, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                full_attention_interval=2, max_position_embeddings=512, eos_token_id=TINY_EOS, pad_token_id=0)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=16)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision,
+                                                          tie_word_embeddings=False))
+    _redraw(model, 0)
+    llm = tiny_llm(model, make_tiny_tokenizer(TINY_VOCAB, TINY_EOS))
+    prompt = MIXED[0]
+    assert _tokens(llm.generate(_prompts([prompt]), GREEDY, use_tqdm=False)) == [hf_greedy(model, prompt, 10).tokens]
+    with pytest.raises(NotImplementedError, match="multi_modal_data"):
+        llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"image": None}}], GREEDY, use_tqdm=False)
+    assert _tokens(llm.generate(_prompts([prompt]), GREEDY, use_tqdm=False)) == [hf_greedy(model, prompt, 10).tokens]
