@@ -166,8 +166,10 @@ def rule_prefill(q, k, v, g, beta, state: torch.Tensor, seq: torch.Tensor, offse
     """Packed tokens: q/k (T, H, dk), v (T, H, dv), g/beta (T, H); state (N, H, dk, dv) fp32, one
     per sequence. Returns (output (T, H, dv) in v's dtype, final states (N, H, dk, dv) fp32)."""
     if use_fla(v, backend):
-        out, final = fla_chunk_rule()(q[None], k[None], v[None], g[None].float(), beta[None],
-                                      initial_state=state, output_final_state=True,
+        # fla's varlen layout: batch 1, the packed tokens along T; states (N, Hv, dk, dv) fp32.
+        q, k, v, beta = (x.contiguous()[None] for x in (q, k, v, beta))
+        out, final = fla_chunk_rule()(q, k, v, g.float().contiguous()[None], beta,
+                                      initial_state=state.contiguous(), output_final_state=True,
                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())
         return out[0], final.float()
     # Scatter the packed tokens into a zero-padded (N, L) batch (zeros leave the state alone).

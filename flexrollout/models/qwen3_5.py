@@ -206,34 +206,50 @@ class Qwen3_5Forward(DecoderForward):
     def linear_attention(self, index: int, spec: LayerSpec, mixed: torch.Tensor, z: torch.Tensor,
                          beta: torch.Tensor, g: torch.Tensor, step: Step) -> torch.Tensor:
         """Conv and gated delta rule from each sequence's state, which they update in place;
-        then the gated output norm. Returns (T, Hv * dv)."""
+        then the gated output norm. Returns (T, Hv * dv). Decode is one compiled region on CUDA
+        (as `pre` / `post`), captured with the rest of the step; prefill runs eagerly (fla's
+        kernels are opaque to the compiler)."""
         attn = self.body.layers[index].linear_attn
         pools, meta = step.cache.states[index], step.meta
-        conv_w = attn.conv1d.weight.squeeze(1)                      # (conv_dim, K)
-        slots = meta.seq_slots
+        heads = (spec.num_kv_heads, self.config.linear_key_head_dim, spec.num_heads, spec.head_dim)
+        args = (mixed, z, beta, g, attn.conv1d.weight.squeeze(1), attn.norm.weight, pools["conv"],
+                pools["recurrent"], meta.seq_slots, heads, self.eps)
         if meta.decode:
-            conv_out, history = gdn.conv_decode(mixed, conv_w, pools["conv"].index_select(0, slots))
-        else:
-            cu = meta.cu_seqlens
-            seq, offset = gdn.packed_layout(cu, mixed.shape[0])
-            fresh = meta.positions.index_select(0, cu[:-1].long()) == 0
-            conv_out, history = gdn.conv_prefill(mixed, conv_w, gdn.start_states(pools["conv"], slots, fresh),
-                                                 seq, offset, cu)
-        pools["conv"].index_copy_(0, slots, history)
-        q, k, v = self._split_heads(conv_out, spec)
-        if meta.decode:
-            out, state = gdn.recurrent_step(q, k, v, g, beta, pools["recurrent"].index_select(0, slots))
-        else:
-            out, state = gdn.rule_prefill(q, k, v, g, beta, gdn.start_states(pools["recurrent"], slots, fresh),
-                                          seq, offset, cu, self.linear_backend)
-        pools["recurrent"].index_copy_(0, slots, state)
-        return gated_rms_norm(out.to(mixed.dtype), z, attn.norm.weight, self.eps).flatten(1)
+            eager = meta.lora is not None or not self.options.compile_layers
+            return self._fn(linear_attention_decode, eager)(*args)
+        return linear_attention_prefill(*args, meta.positions, meta.cu_seqlens, self.linear_backend)
 
-    def _split_heads(self, conv_out: torch.Tensor, spec: LayerSpec):
-        """q, k (T, Hv, dk) (each key head repeated for its group of value heads), v (T, Hv, dv)."""
-        cfg, tokens = self.config, conv_out.shape[0]
-        key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-        q, k, v = conv_out.split([key_dim, key_dim, spec.num_heads * spec.head_dim], dim=-1)
-        group = spec.num_heads // spec.num_kv_heads
-        q, k = (x.view(tokens, spec.num_kv_heads, -1).repeat_interleave(group, dim=1) for x in (q, k))
-        return q, k, v.view(tokens, spec.num_heads, spec.head_dim)
+
+def split_heads(conv_out: torch.Tensor, heads: tuple[int, int, int, int]):
+    """q, k (T, Hv, dk) (each key head repeated for its group of value heads), v (T, Hv, dv);
+    `heads` = (Hk, dk, Hv, dv)."""
+    key_heads, dk, value_heads, dv = heads
+    tokens = conv_out.shape[0]
+    q, k, v = conv_out.split([key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
+    q, k = (x.reshape(tokens, key_heads, dk).repeat_interleave(value_heads // key_heads, dim=1) for x in (q, k))
+    return q, k, v.reshape(tokens, value_heads, dv)
+
+
+def linear_attention_decode(mixed, z, beta, g, conv_w, norm_w, conv_pool, rec_pool, slots, heads, eps):
+    """One token per sequence (B rows), states read from and written back to their slots."""
+    conv_out, history = gdn.conv_decode(mixed, conv_w, conv_pool.index_select(0, slots))
+    conv_pool.index_copy_(0, slots, history)
+    q, k, v = split_heads(conv_out, heads)
+    out, state = gdn.recurrent_step(q, k, v, g, beta, rec_pool.index_select(0, slots))
+    rec_pool.index_copy_(0, slots, state)
+    return gated_rms_norm(out.to(mixed.dtype), z, norm_w, eps).flatten(1)
+
+
+def linear_attention_prefill(mixed, z, beta, g, conv_w, norm_w, conv_pool, rec_pool, slots, heads, eps,
+                             positions, cu_seqlens, backend: str):
+    """Packed chunks of several sequences (cu_seqlens); a chunk at position 0 starts from zeros."""
+    seq, offset = gdn.packed_layout(cu_seqlens, mixed.shape[0])
+    fresh = positions.index_select(0, cu_seqlens[:-1].long()) == 0
+    conv_out, history = gdn.conv_prefill(mixed, conv_w, gdn.start_states(conv_pool, slots, fresh),
+                                         seq, offset, cu_seqlens)
+    conv_pool.index_copy_(0, slots, history)
+    q, k, v = split_heads(conv_out, heads)
+    out, state = gdn.rule_prefill(q, k, v, g, beta, gdn.start_states(rec_pool, slots, fresh),
+                                  seq, offset, cu_seqlens, backend)
+    rec_pool.index_copy_(0, slots, state)
+    return gated_rms_norm(out.to(mixed.dtype), z, norm_w, eps).flatten(1)
