@@ -308,3 +308,116 @@ def test_multimodal_checkpoint_runs_its_language_model(hf_greedy):
     with pytest.raises(NotImplementedError, match="multi_modal_data"):
         llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"image": None}}], GREEDY, use_tqdm=False)
     assert _tokens(llm.generate(_prompts([prompt]), GREEDY, use_tqdm=False)) == [hf_greedy(model, prompt, 10).tokens]
+
+
+# --------------------------------------------------------------------------------------------- GPU
+# (marked `gpu`: conftest skips them where CUDA is absent)
+
+
+def _real_width_model(arch: str, dtype: torch.dtype, layers: int = 4):
+    """Real widths at reduced depth (3 GatedDeltaNet + 1 gated attention layer): Qwen3.5-4B's
+    (dense) or transformers' Qwen3.5-MoE defaults, which are Qwen3.5-35B-A3B's (256 experts
+    top-8, shared expert). HF's own init."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    common = dict(num_hidden_layers=layers, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1)
+    if arch == "dense":
+        config = Qwen3_5TextConfig(hidden_size=2560, intermediate_size=9216, num_attention_heads=16,
+                                   num_key_value_heads=4, head_dim=256, tie_word_embeddings=True, **common)
+    else:
+        config = Qwen3_5MoeTextConfig(**common)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def _cuda_prompts(vocab: int, lengths, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf_cuda_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt], device="cuda")
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _first_logprobs(out) -> list[float]:
+    return [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gpu_real_widths_fp32_greedy_matches_hf_with_graphs(arch):
+    """fp32 (the torch rule on both sides): packed prefill past the 64-token rule chunk, decode
+    graphs with the compiled linear-attention step, against HF generate."""
+    from flexrollout import LLM
+
+    model = _real_width_model(arch, torch.float32)
+    prompts = _cuda_prompts(model.config.vocab_size, (5, 140, 300), seed=5)
+    llm = LLM(model, max_model_len=1024, max_num_seqs=8, num_kv_pages=64)
+    assert llm.llm_engine.runner.graphs is not None
+    outs = llm.generate(_prompts(prompts), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == _hf_cuda_greedy(model, prompt, 16)
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_match_eager():
+    """Graph replay (padded rows on the padding slot's state) against eager decode, fp32."""
+    from flexrollout import LLM
+
+    model = _real_width_model("dense", torch.float32)
+    prompts = _cuda_prompts(model.config.vocab_size, (3, 17, 64, 100, 129), seed=1)
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True, logprobs=1)
+    graphed = LLM(model, max_model_len=1024, max_num_seqs=8, num_kv_pages=64)
+    eager = LLM(model, max_model_len=1024, max_num_seqs=8, num_kv_pages=64, enforce_eager=True)
+    for x, y in zip(graphed.generate(_prompts(prompts), params, use_tqdm=False),
+                    eager.generate(_prompts(prompts), params, use_tqdm=False)):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert torch.allclose(torch.tensor(_first_logprobs(x)), torch.tensor(_first_logprobs(y)), atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_fla_prefill_matches_torch_reference():
+    """fla's chunk kernel (varlen, from per-sequence states) against the torch reference, bf16
+    inputs at Qwen3.5-4B's linear-attention widths."""
+    pytest.importorskip("fla")
+    from flexrollout.layers import gated_delta as gd
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lengths, heads, dim = [5, 130, 70], 32, 128
+    tokens = sum(lengths)
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(tokens, heads, dim, device="cuda", generator=gen).bfloat16() for _ in range(3))
+    g = -torch.rand(tokens, heads, device="cuda", generator=gen)
+    beta = torch.rand(tokens, heads, device="cuda", generator=gen).bfloat16()
+    state = 0.1 * torch.randn(len(lengths), heads, dim, dim, device="cuda", generator=gen)
+    seq, offset = gd.packed_layout(cu, tokens)
+    out_fla, final_fla = gd.rule_prefill(q, k, v, g, beta, state.clone(), seq, offset, cu, backend="fla")
+    out_ref, final_ref = gd.rule_prefill(q, k, v, g, beta, state.clone(), seq, offset, cu, backend="torch")
+    scale = out_ref.float().abs().max()
+    assert (out_fla.float() - out_ref.float()).abs().max() < 2e-2 * scale
+    assert (final_fla - final_ref).abs().max() < 2e-2 * final_ref.abs().max()
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_fla_engine_close_to_torch_rule():
+    """bf16 engine with fla prefill against the same engine on the torch rule: the prompt's
+    logprobs agree to bf16 precision (greedy tokens of random bf16 models are nearly tied)."""
+    pytest.importorskip("fla")
+    from flexrollout import LLM
+
+    model = _real_width_model("dense", torch.bfloat16)
+    prompt = _cuda_prompts(model.config.vocab_size, (200,), seed=2)[0]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    results = []
+    for backend in ("fla", "torch"):
+        llm = LLM(model, max_model_len=1024, max_num_seqs=4, num_kv_pages=32)
+        llm.llm_engine.forward.linear_backend = backend
+        out = llm.generate(_prompts([prompt]), params, use_tqdm=False)[0]
+        results.append(torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]))
+        del llm
+    assert (results[0] - results[1]).abs().mean() < 0.05
