@@ -69,9 +69,11 @@ def linear_attention_inputs(x: torch.Tensor, ln_w: torch.Tensor, qkv: Linear, z:
     """input norm -> the GatedDeltaNet projections and gates. Returns (mixed q/k/v before the conv
     (T, conv_dim), z (T, value_dim), beta (T, Hv), g (T, Hv) fp32)."""
     h = rms_norm(x, ln_w, eps, OFFSET)
-    beta = torch.sigmoid(linear(h, b, kernels))
+    grouped = [qkv, z, b]                # one GEMV launch for small batches
+    mixed, gate, b_out = finish_group(project_group(h, grouped, kernels), grouped, h.dtype)
+    beta = torch.sigmoid(b_out)
     g = -a_log.float().exp() * F.softplus(linear(h, a, kernels).float() + dt_bias)
-    return linear(h, qkv, kernels), linear(h, z, kernels), beta, g
+    return mixed, gate, beta, g
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
