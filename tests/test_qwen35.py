@@ -132,6 +132,22 @@ def test_packed_conv_matches_hf_conv_with_history():
     assert (step - ref).abs().max() < 1e-6 and torch.equal(window, state)
 
 
+def test_bad_linear_backend_is_a_clear_error():
+    from flexrollout.layers import gated_delta as gd
+    from flexrollout.models.qwen3_5 import Qwen3_5Forward
+
+    model, _ = make_tiny_qwen35("dense")
+    with pytest.raises(ValueError, match="linear_backend"):
+        Qwen3_5Forward(model, torch.float32, linear_backend="triton")
+    x = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="backend"):
+        gd.use_fla(x, "triton")
+    assert not gd.use_fla(x, "auto")           # CPU: always the torch reference
+    if gd.fla_chunk_rule() is None:
+        with pytest.raises(ImportError, match="flash-linear-attention"):
+            gd.use_fla(x, "fla")
+
+
 # --------------------------------------------------------------------------------------------- engine
 
 

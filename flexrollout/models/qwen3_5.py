@@ -106,7 +106,9 @@ class Qwen3_5Forward(DecoderForward):
         self.config = hf_model.config.get_text_config()
         self.eps = self.config.rms_norm_eps
         self.act = activation(self.config.hidden_act)
-        self.linear_backend = linear_backend     # gated_delta.use_fla: "auto", "fla" or "torch"
+        if linear_backend not in ("auto", "fla", "torch"):
+            raise ValueError(f"linear_backend must be 'auto', 'fla' or 'torch', got {linear_backend!r}")
+        self.linear_backend = linear_backend     # the prefill rule's kernels (gated_delta.use_fla)
         super().__init__(hf_model, dtype, merged)
 
     def is_linear(self, index: int) -> bool:
