@@ -6,6 +6,10 @@ graph rows and padded prefill tokens write there and attend only there). A layer
 earlier layer's KV (`LayerSpec.kv_source`) is handed that layer's tensors and never writes; a
 linear-attention layer has no KV at all. `store_kv` is the one place K/V are written (the q/k/v
 epilogue kernel reads the layout from the tensors' strides).
+
+Per-sequence states (`LayerSpec.states`, a linear-attention layer's conv and recurrent state) live
+in pools of one entry per batch slot, slot 0 the padding slot that padded graph rows write. The
+layer writes them in place; a forked group member gets a copy of its leader's (`copy_states`).
 """
 from __future__ import annotations
 
@@ -26,14 +30,17 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 class KVCache:
     def __init__(self, layers: list[LayerSpec], num_pages: int, page_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, num_slots: int = 0) -> None:
         self.layers = layers
+        self.num_slots = num_slots          # batch slots, the padding slot 0 included
         self.num_pages = num_pages
         self.page_size = page_size
         self.dtype = dtype
         self.device = device
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
+        # Per layer: state name -> (num_slots, *StateSpec.shape) pool; empty for attention layers.
+        self.states: list[dict[str, torch.Tensor]] = []
         self.allocate()
 
     @property
@@ -54,10 +61,25 @@ class KVCache:
             else:
                 self.k.append(None)
                 self.v.append(None)
+        self.states = [{s.name: torch.zeros((self.num_slots, *s.shape), dtype=s.dtype, device=self.device)
+                        for s in spec.states} for spec in self.layers]
 
     def release(self) -> None:
         """Drop the cache tensors (sleep); `allocate` makes new, empty ones."""
-        self.k, self.v = [], []
+        self.k, self.v, self.states = [], [], []
+
+    @staticmethod
+    def state_bytes(layers: list[LayerSpec], num_slots: int) -> int:
+        """Bytes of every per-sequence state pool."""
+        per_slot = sum(torch.Size(s.shape).numel() * torch.empty((), dtype=s.dtype).element_size()
+                       for spec in layers for s in spec.states)
+        return per_slot * num_slots
+
+    def copy_states(self, src_slot: int, dst_slot: int) -> None:
+        """Give `dst_slot` a copy of every per-sequence state of `src_slot` (a group fork)."""
+        for pools in self.states:
+            for pool in pools.values():
+                pool[dst_slot].copy_(pool[src_slot])
 
     @staticmethod
     def bytes_per_token(layers: list[LayerSpec], dtype: torch.dtype) -> int:

@@ -19,7 +19,7 @@ import torch
 
 from ..lora_request import LoRARequest
 
-_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|linear_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 # PEFT nests one ParamWrapper per adapted expert parameter; each level adds a `base_layer.`.
 # (Gemma-4 keeps its experts beside the MLP, `layers.N.experts`, not under it.)
 _EXPERT_KEY = re.compile(r"layers\.(\d+)\.(?:mlp\.)?experts\.((?:base_layer\.)*)lora_([AB])(?:\.[\w-]+)?\.weight$")

@@ -7,6 +7,7 @@ from .base import DecoderForward, ForwardOptions
 from .gemma4 import Gemma4Forward
 from .gpt_oss import GptOssForward
 from .llama import LlamaForward
+from .qwen3_5 import Qwen3_5Forward
 from .qwen3_moe import Qwen3MoeForward
 
 _FORWARDS = {
@@ -17,6 +18,10 @@ _FORWARDS = {
     "gpt_oss": GptOssForward,
     "gemma4": Gemma4Forward,
     "gemma4_text": Gemma4Forward,
+    "qwen3_5": Qwen3_5Forward,
+    "qwen3_5_text": Qwen3_5Forward,
+    "qwen3_5_moe": Qwen3_5Forward,
+    "qwen3_5_moe_text": Qwen3_5Forward,
 }
 
 

@@ -1,0 +1,445 @@
+"""Qwen3.5 hybrids (GatedDeltaNet linear attention + gated full attention; dense and MoE with a
+shared expert) against HF transformers, fp32 on CPU, where both run the torch gated delta rule.
+
+Tiny configs: 4 layers alternating linear / full attention (full_attention_interval 2), hidden 64,
+2 key / 4 value linear heads (so key heads are shared by two value heads), head_dim 16 with
+partial rope 0.25. Weights are re-drawn so every block matters (sharp q/k, conv taps 0.5 N(0, 1),
+norms away from their init). References: HF `generate` (greedy) and HF's teacher-forced forward.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_EOS, TINY_VOCAB, make_tiny_tokenizer, random_prompts, tiny_llm
+from flexrollout import SamplingParams
+
+ARCHS = ["dense", "moe"]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+LP_TOL = 1e-4
+MIXED = random_prompts([11, 7, 23, 3], seed=7)
+
+
+def make_tiny_qwen35(arch: str, seed: int = 0):
+    """(model, tokenizer): a tiny random Qwen3.5 text model (`Qwen3_5ForCausalLM` or
+    `Qwen3_5MoeForCausalLM`), fp32, eval mode."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=128, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  full_attention_interval=2, max_position_embeddings=512, bos_token_id=1,
+                  eos_token_id=TINY_EOS, pad_token_id=0, tie_word_embeddings=False)
+    if arch == "moe":
+        config = Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=32, **common)
+    else:
+        config = Qwen3_5TextConfig(**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _redraw(model, seed)
+    return model, make_tiny_tokenizer(TINY_VOCAB, TINY_EOS)
+
+
+def _redraw(model, seed: int) -> None:
+    """Decoder weights drawn so that every block moves the logits (HF's init leaves them nearly
+    uniform); eval mode."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".layers." not in name or name.endswith(("A_log", "dt_bias")):
+                continue
+            if "norm" in name:     # zero-centred norms (1 + w), and the gated norm's plain w
+                param.copy_((1.0 if "linear_attn.norm" in name else 0.0)
+                            + 0.1 * torch.randn(param.shape, generator=gen))
+            elif "conv1d" in name or ".gate." in name:
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    model.eval()
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request):
+    return make_tiny_qwen35(request.param)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _prompts(ids) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in ids]
+
+
+@torch.no_grad()
+def _teacher_forced(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+def test_torch_gated_delta_rule_matches_hf_fallbacks():
+    """The chunked reference (from a non-zero state, across a chunk boundary) and the one-token
+    decode step against transformers' own torch_chunk / torch_recurrent gated delta rules."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    from flexrollout.layers import gated_delta as gd
+
+    gen = torch.Generator().manual_seed(0)
+    batch, length, heads, dk, dv = 2, 70, 4, 16, 8
+    q, k = torch.randn(batch, length, heads, dk, generator=gen), torch.randn(batch, length, heads, dk, generator=gen)
+    v = torch.randn(batch, length, heads, dv, generator=gen)
+    g, beta = -torch.rand(batch, length, heads, generator=gen), torch.rand(batch, length, heads, generator=gen)
+    state = torch.randn(batch, heads, dk, dv, generator=gen)
+    kwargs = dict(initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref_out, ref_state = hf.torch_chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
+    out, final = gd.chunked_rule(q, k, v, g, beta, state)
+    assert (out - ref_out).abs().max() < 1e-5 and (final - ref_state).abs().max() < 1e-5
+    rec_out, rec_state = hf.torch_recurrent_gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1],
+                                                            beta[:, :1], **kwargs)
+    step_out, step_state = gd.recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+    assert (step_out - rec_out[:, 0]).abs().max() < 1e-6 and (step_state - rec_state).abs().max() < 1e-6
+
+
+def test_packed_conv_matches_hf_conv_with_history():
+    """Packed causal conv: each sequence continues from its own K-input history (zeros = a fresh
+    sequence), as HF's causal_conv1d_fn over [history, chunk]; the new history is the last K inputs."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    from flexrollout.layers import gated_delta as gd
+
+    gen = torch.Generator().manual_seed(1)
+    channels, width, lengths = 6, 4, [5, 1, 2]
+    weight = torch.randn(channels, width, generator=gen)
+    history = torch.randn(len(lengths), channels, width, generator=gen)
+    history[1] = 0.0
+    x = torch.randn(sum(lengths), channels, generator=gen)
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    seq, offset = gd.packed_layout(cu, x.shape[0])
+    out, new_history = gd.conv_prefill(x, weight, history, seq, offset, cu)
+    for n, (start, stop) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        full = torch.cat([history[n], x[start:stop].T], dim=-1)[None]
+        ref = hf.causal_conv1d_fn(full, weight, None, activation="silu")[0, :, width:].T
+        assert (out[start:stop] - ref).abs().max() < 1e-6
+        assert torch.equal(new_history[n], full[0, :, -width:])
+    step, window = gd.conv_decode(x[:3], weight, history)
+    state = history.clone()
+    ref = hf.causal_conv1d_update(x[:3, :, None], state, weight, None, "silu")[..., 0]
+    assert (step - ref).abs().max() < 1e-6 and torch.equal(window, state)
+
+
+def test_bad_linear_backend_is_a_clear_error():
+    from flexrollout.layers import gated_delta as gd
+    from flexrollout.models.qwen3_5 import Qwen3_5Forward
+
+    model, _ = make_tiny_qwen35("dense")
+    with pytest.raises(ValueError, match="linear_backend"):
+        Qwen3_5Forward(model, torch.float32, linear_backend="triton")
+    x = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="backend"):
+        gd.use_fla(x, "triton")
+    assert not gd.use_fla(x, "auto")           # CPU: always the torch reference
+    if gd.fla_chunk_rule() is None:
+        with pytest.raises(ImportError, match="flash-linear-attention"):
+            gd.use_fla(x, "fla")
+
+
+# --------------------------------------------------------------------------------------------- engine
+
+
+def test_spec_states_and_mixed_batch_with_slot_reuse_match_hf(tiny, hf_greedy):
+    """Four prompts of different lengths, two slots: packed prefill of several sequences, decode
+    of several, and slots handed to new sequences while others run (their state starts at zero);
+    then sleep and wake-up."""
+    model, tok = tiny
+    llm = tiny_llm(model, tok, max_num_seqs=2)
+    spec = llm.llm_engine.spec
+    assert [layer.mixer for layer in spec.layers] == ["linear", "attention"] * 2
+    cache = llm.llm_engine.cache
+    assert cache.states[0]["conv"].shape == (3, 2 * 32 + 64, 4)
+    assert cache.states[0]["recurrent"].shape == (3, 4, 16, 16)
+    assert cache.states[0]["recurrent"].dtype == torch.float32 and cache.states[1] == {}
+    refs = [hf_greedy(model, p, 10).tokens for p in MIXED]
+    assert _tokens(llm.generate(_prompts(MIXED), GREEDY, use_tqdm=False)) == refs
+    # Sleep drops the state pools with the KV cache; wake-up brings fresh ones.
+    llm.sleep()
+    assert cache.states == []
+    llm.wake_up()
+    assert cache.states[2]["recurrent"].abs().sum() == 0
+    assert _tokens(llm.generate(_prompts(MIXED[:2]), GREEDY, use_tqdm=False)) == refs[:2]
+
+
+def test_chunked_prefill_matches_hf(tiny, hf_greedy):
+    """A 70-token prompt prefilled in 16-token engine chunks (state and conv history carried from
+    chunk to chunk), and in one step (the torch rule crosses its 64-token chunk)."""
+    model, tok = tiny
+    prompt = random_prompts([70], seed=3)[0]
+    ref = hf_greedy(model, prompt, 10).tokens
+    for budget in (16, 256):
+        llm = tiny_llm(model, tok, max_num_batched_tokens=budget)
+        before = llm.llm_engine.stats.prefill_steps
+        assert _tokens(llm.generate(_prompts([prompt, MIXED[1]]), GREEDY, use_tqdm=False))[0] == ref
+        assert (llm.llm_engine.stats.prefill_steps - before > 1) == (budget == 16)
+
+
+def test_prompt_and_sampled_logprobs_match_hf_teacher_forced(tiny):
+    model, tok = tiny
+    llm = tiny_llm(model, tok)
+    prompt = MIXED[2]
+    out = llm.generate(_prompts([prompt]), SamplingParams(max_tokens=8, temperature=1.0, seed=3, logprobs=2,
+                                                          prompt_logprobs=0, ignore_eos=True), use_tqdm=False)[0]
+    generated = out.outputs[0].token_ids
+    lp = _teacher_forced(model, prompt + generated)
+    prompt_errors = [abs(out.prompt_logprobs[i][prompt[i]].logprob - float(lp[i - 1, prompt[i]]))
+                     for i in range(1, len(prompt))]
+    assert max(prompt_errors) < LP_TOL
+    for step, token in enumerate(generated):
+        row = lp[len(prompt) - 1 + step]
+        assert abs(out.outputs[0].logprobs[step][token].logprob - float(row[token])) < LP_TOL
+
+
+def test_groups_fork_states_and_preemption_recomputes(tiny, hf_greedy, engine_stats):
+    """n = 3 samples of a prompt prefill once and each continues from its own copy of the state;
+    with too few pages sequences are preempted and recomputed from scratch."""
+    model, tok = tiny
+    prompt = MIXED[0] + MIXED[3]                          # 14 tokens: a partly filled page
+    ref = hf_greedy(model, prompt, 10).tokens
+    llm = tiny_llm(model, tok)
+    before = engine_stats(llm)
+    outs = llm.generate(_prompts([prompt] * 3), GREEDY, use_tqdm=False)
+    assert _tokens(outs) == [ref] * 3
+    assert engine_stats(llm)["prefill_tokens"] - before["prefill_tokens"] == len(prompt)
+    # Sampled members diverge; each one's logprobs are HF's along its own tokens.
+    sampled = llm.generate(_prompts([prompt]), SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=5,
+                                                              logprobs=0, ignore_eos=True), use_tqdm=False)
+    members = sampled[0].outputs
+    assert len({tuple(c.token_ids) for c in members}) > 1
+    for member in members:
+        lp = _teacher_forced(model, prompt + member.token_ids)
+        errors = [abs(member.logprobs[i][t].logprob - float(lp[len(prompt) - 1 + i, t]))
+                  for i, t in enumerate(member.token_ids)]
+        assert max(errors) < LP_TOL
+    # 3 pages of 16 tokens: 14 + 12 and 7 + 12 tokens need 4, so the later one is preempted.
+    small = tiny_llm(model, tok, num_gpu_blocks_override=3)
+    before = engine_stats(small)
+    prompts = [prompt, MIXED[1]]
+    outs = small.generate(_prompts(prompts), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                          use_tqdm=False)
+    assert engine_stats(small)["preemptions"] > before["preemptions"]
+    assert _tokens(outs) == [hf_greedy(model, p, 12).tokens for p in prompts]
+
+
+# --------------------------------------------------------------------------------------------- LoRA
+
+
+def _peft_qwen35(arch: str, seed: int = 2):
+    """PEFT adapters on gated attention, every GatedDeltaNet projection and the MLP (the shared
+    expert's in the MoE), large enough to move the logits well beyond the tolerance."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = make_tiny_qwen35(arch, seed=seed)
+    targets = ["q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+               "down_proj"]
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                          init_lora_weights=False)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in pm.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+    return pm, tok
+
+
+def _prompt_logprobs(llm, prompt, **kwargs) -> list[float]:
+    out = llm.generate(_prompts([prompt]), SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                       use_tqdm=False, **kwargs)[0]
+    return [out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]
+
+
+def _reference_logprobs(model, prompt) -> list[float]:
+    lp = _teacher_forced(model, prompt)
+    return [float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+
+
+def _max_error(a, b) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("arch,mode", [("dense", "live"), ("dense", "merged"), ("moe", "live")])
+def test_lora_on_linear_attention_matches_peft(arch, mode, hf_greedy):
+    pm, tok = _peft_qwen35(arch)
+    prompt = MIXED[0]
+    with pm.disable_adapter():
+        base = _reference_logprobs(pm, prompt)
+    expected = _reference_logprobs(pm, prompt)
+    assert _max_error(base, expected) > 100 * LP_TOL
+    llm = tiny_llm(pm, tok, lora_mode=mode)
+    assert _max_error(_prompt_logprobs(llm, prompt), expected) < LP_TOL
+    assert _tokens(llm.generate(_prompts([prompt]), GREEDY, use_tqdm=False)) == [hf_greedy(pm, prompt, 10).tokens]
+    # An optimizer-like in-place step on a GatedDeltaNet adapter is seen by the next generate.
+    with torch.no_grad():
+        pm.base_model.model.model.layers[0].linear_attn.in_proj_qkv.lora_B["default"].weight.mul_(-1.5)
+    assert _max_error(_prompt_logprobs(llm, prompt), _reference_logprobs(pm, prompt)) < LP_TOL
+
+
+def test_lora_request_on_linear_attention_matches_peft(tmp_path):
+    """A saved adapter that adapts GatedDeltaNet projections, given by LoRARequest over the base
+    model, equals PEFT's model loaded from that directory; rows without it run the base."""
+    from peft import PeftModel
+
+    from flexrollout import LoRARequest
+
+    pm, tok = _peft_qwen35("dense", seed=5)
+    pm.save_pretrained(str(tmp_path / "adapter"))
+    base, _ = make_tiny_qwen35("dense", seed=5)
+    reference = PeftModel.from_pretrained(make_tiny_qwen35("dense", seed=5)[0], str(tmp_path / "adapter")).eval()
+    prompt = MIXED[2]
+    llm = tiny_llm(base, tok)
+    request = LoRARequest("saved", 1, str(tmp_path / "adapter"))
+    assert _max_error(_prompt_logprobs(llm, prompt, lora_request=request),
+                      _reference_logprobs(reference, prompt)) < LP_TOL
+    assert _max_error(_prompt_logprobs(llm, prompt), _reference_logprobs(base, prompt)) < LP_TOL
+
+
+# --------------------------------------------------------------------------------------------- multimodal
+
+
+def test_multimodal_checkpoint_runs_its_language_model(hf_greedy):
+    """`Qwen3_5ForConditionalGeneration` (the VLM checkpoints' class): text prompts run over the
+    wrapper's own language model and lm_head; image input is a clear error."""
+    from transformers import Qwen3_5Config
+    from transformers.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+
+    text = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, intermediate_size=128, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                full_attention_interval=2, max_position_embeddings=512, eos_token_id=TINY_EOS, pad_token_id=0)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=16)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision,
+                                                          tie_word_embeddings=False))
+    _redraw(model, 0)
+    llm = tiny_llm(model, make_tiny_tokenizer(TINY_VOCAB, TINY_EOS))
+    prompt = MIXED[0]
+    assert _tokens(llm.generate(_prompts([prompt]), GREEDY, use_tqdm=False)) == [hf_greedy(model, prompt, 10).tokens]
+    with pytest.raises(NotImplementedError, match="multi_modal_data"):
+        llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"image": None}}], GREEDY, use_tqdm=False)
+    assert _tokens(llm.generate(_prompts([prompt]), GREEDY, use_tqdm=False)) == [hf_greedy(model, prompt, 10).tokens]
+
+
+# --------------------------------------------------------------------------------------------- GPU
+# (marked `gpu`: conftest skips them where CUDA is absent)
+
+
+def _real_width_model(arch: str, dtype: torch.dtype, layers: int = 4):
+    """Real widths at reduced depth (3 GatedDeltaNet + 1 gated attention layer): Qwen3.5-4B's
+    (dense) or transformers' Qwen3.5-MoE defaults, which are Qwen3.5-35B-A3B's (256 experts
+    top-8, shared expert). HF's own init."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    common = dict(num_hidden_layers=layers, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1)
+    if arch == "dense":
+        config = Qwen3_5TextConfig(hidden_size=2560, intermediate_size=9216, num_attention_heads=16,
+                                   num_key_value_heads=4, head_dim=256, tie_word_embeddings=True, **common)
+    else:
+        config = Qwen3_5MoeTextConfig(**common)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def _cuda_prompts(vocab: int, lengths, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf_cuda_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt], device="cuda")
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _first_logprobs(out) -> list[float]:
+    return [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gpu_real_widths_fp32_greedy_matches_hf_with_graphs(arch):
+    """fp32 (the torch rule on both sides): packed prefill past the 64-token rule chunk, decode
+    graphs with the compiled linear-attention step, against HF generate."""
+    from flexrollout import LLM
+
+    model = _real_width_model(arch, torch.float32)
+    prompts = _cuda_prompts(model.config.vocab_size, (5, 140, 300), seed=5)
+    llm = LLM(model, max_model_len=1024, max_num_seqs=8, num_kv_pages=64)
+    assert llm.llm_engine.runner.graphs is not None
+    outs = llm.generate(_prompts(prompts), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == _hf_cuda_greedy(model, prompt, 16)
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_match_eager():
+    """Graph replay (padded rows on the padding slot's state) against eager decode, fp32."""
+    from flexrollout import LLM
+
+    model = _real_width_model("dense", torch.float32)
+    prompts = _cuda_prompts(model.config.vocab_size, (3, 17, 64, 100, 129), seed=1)
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True, logprobs=1)
+    graphed = LLM(model, max_model_len=1024, max_num_seqs=8, num_kv_pages=64)
+    eager = LLM(model, max_model_len=1024, max_num_seqs=8, num_kv_pages=64, enforce_eager=True)
+    for x, y in zip(graphed.generate(_prompts(prompts), params, use_tqdm=False),
+                    eager.generate(_prompts(prompts), params, use_tqdm=False)):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert torch.allclose(torch.tensor(_first_logprobs(x)), torch.tensor(_first_logprobs(y)), atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_fla_prefill_matches_torch_reference():
+    """fla's chunk kernel (varlen, from per-sequence states) against the torch reference, bf16
+    inputs at Qwen3.5-4B's linear-attention widths."""
+    pytest.importorskip("fla")
+    from flexrollout.layers import gated_delta as gd
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lengths, heads, dim = [5, 130, 70], 32, 128
+    tokens = sum(lengths)
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(tokens, heads, dim, device="cuda", generator=gen).bfloat16() for _ in range(3))
+    g = -torch.rand(tokens, heads, device="cuda", generator=gen)
+    beta = torch.rand(tokens, heads, device="cuda", generator=gen).bfloat16()
+    state = 0.1 * torch.randn(len(lengths), heads, dim, dim, device="cuda", generator=gen)
+    seq, offset = gd.packed_layout(cu, tokens)
+    out_fla, final_fla = gd.rule_prefill(q, k, v, g, beta, state.clone(), seq, offset, cu, backend="fla")
+    out_ref, final_ref = gd.rule_prefill(q, k, v, g, beta, state.clone(), seq, offset, cu, backend="torch")
+    scale = out_ref.float().abs().max()
+    assert (out_fla.float() - out_ref.float()).abs().max() < 2e-2 * scale
+    assert (final_fla - final_ref).abs().max() < 2e-2 * final_ref.abs().max()
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_fla_engine_close_to_torch_rule():
+    """bf16 engine with fla prefill against the same engine on the torch rule: the prompt's
+    logprobs agree to bf16 precision (greedy tokens of random bf16 models are nearly tied)."""
+    pytest.importorskip("fla")
+    from flexrollout import LLM
+
+    model = _real_width_model("dense", torch.bfloat16)
+    prompt = _cuda_prompts(model.config.vocab_size, (200,), seed=2)[0]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    results = []
+    for backend in ("fla", "torch"):
+        llm = LLM(model, max_model_len=1024, max_num_seqs=4, num_kv_pages=32)
+        llm.llm_engine.forward.linear_backend = backend
+        out = llm.generate(_prompts([prompt]), params, use_tqdm=False)[0]
+        results.append(torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]))
+        del llm
+    assert (results[0] - results[1]).abs().mean() < 0.05
