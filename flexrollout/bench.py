@@ -30,6 +30,9 @@ PRESETS = {
     "gpt-oss-20b": dict(arch="gpt_oss", hidden=2880, inter=2880, experts=32, top_k=4, layers=24, heads=64, kv=8, hd=64, vocab=201088, theta=150000.0, tie=False, window=128),
     "tiny-llama": dict(arch="llama", hidden=64, inter=128, layers=2, heads=4, kv=2, hd=16, vocab=512, theta=1e4, tie=False, llama3=8.0),
     "tiny-qwen3": dict(arch="qwen3", hidden=64, inter=128, layers=2, heads=4, kv=2, hd=16, vocab=512, theta=1e6, tie=True),
+    # Qwen3.5 hybrids: 3 GatedDeltaNet layers to 1 gated full-attention layer (full_every).
+    "qwen3.5-4b": dict(arch="qwen3_5", hidden=2560, inter=9216, layers=32, heads=16, kv=4, hd=256, vocab=248320, theta=1e7, tie=True, lin_k_heads=16, lin_v_heads=32, lin_hd=128, full_every=4),
+    "qwen3.6-35b-a3b": dict(arch="qwen3_5_moe", hidden=2048, moe_inter=512, shared_inter=512, experts=256, top_k=8, layers=40, heads=16, kv=2, hd=256, vocab=248320, theta=1e7, tie=False, lin_k_heads=16, lin_v_heads=32, lin_hd=128, full_every=4),
     **GEMMA4_PRESETS,
 }
 
@@ -43,6 +46,8 @@ def preset_config(name: str, max_position_embeddings: int = 8192, num_layers: in
     p = dict(PRESETS[name], **({"layers": num_layers} if num_layers else {}))
     if p["arch"] in ("qwen3_moe", "gpt_oss"):
         return _moe_config(p, max_position_embeddings)
+    if p["arch"] in ("qwen3_5", "qwen3_5_moe"):
+        return _qwen35_config(p, max_position_embeddings)
     common = dict(hidden_size=p["hidden"], intermediate_size=p["inter"], num_hidden_layers=p["layers"],
                   num_attention_heads=p["heads"], num_key_value_heads=p["kv"], head_dim=p["hd"],
                   vocab_size=p["vocab"], tie_word_embeddings=p["tie"],
@@ -75,11 +80,30 @@ def _moe_config(p: dict, max_position_embeddings: int):
                         **common)
 
 
+def _qwen35_config(p: dict, max_position_embeddings: int):
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    common = dict(hidden_size=p["hidden"], num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
+                  num_key_value_heads=p["kv"], head_dim=p["hd"], vocab_size=p["vocab"],
+                  tie_word_embeddings=p["tie"], max_position_embeddings=max_position_embeddings,
+                  bos_token_id=0, eos_token_id=1, linear_num_key_heads=p["lin_k_heads"],
+                  linear_num_value_heads=p["lin_v_heads"], linear_key_head_dim=p["lin_hd"],
+                  linear_value_head_dim=p["lin_hd"], full_attention_interval=p["full_every"],
+                  rope_parameters={"rope_type": "default", "rope_theta": p["theta"],
+                                   "partial_rotary_factor": 0.25})
+    if p["arch"] == "qwen3_5":
+        return Qwen3_5TextConfig(intermediate_size=p["inter"], **common)
+    return Qwen3_5MoeTextConfig(moe_intermediate_size=p["moe_inter"],
+                                shared_expert_intermediate_size=p["shared_inter"], num_experts=p["experts"],
+                                num_experts_per_tok=p["top_k"], **common)
+
+
 def bytes_per_step(llm, model, batch: int, context: float) -> float:
     """HBM bytes one decode step must read: every weight once, except that an untied input
     embedding table is read only at the batch's rows and a MoE layer reads only the experts its
     tokens chose (with random routing E * (1 - (1 - k/E)^B) distinct of E), plus each layer's
-    KV of every sequence (a sliding layer's window at most; a KV-sharing layer reads its source's)."""
+    KV of every sequence (a sliding layer's window at most; a KV-sharing layer reads its source's)
+    and each linear-attention layer's recurrent state, read and written."""
     forward = llm.llm_engine.forward
     total = float(_weight_bytes(model))
     embed = model.get_input_embeddings().weight
@@ -101,6 +125,8 @@ def bytes_per_step(llm, model, batch: int, context: float) -> float:
         if spec.mixer == "attention":          # a KV-sharing layer reads its source's pages
             tokens = context if spec.window is None else min(context, spec.window)
             total += batch * tokens * 2 * spec.num_kv_heads * spec.head_dim * elem
+        for state in spec.states:              # a linear-attention layer reads and writes its state
+            total += 2 * batch * torch.Size(state.shape).numel() * torch.empty((), dtype=state.dtype).element_size()
     return total
 
 
