@@ -31,6 +31,12 @@ def _reference(hf_greedy, model) -> list[list[int]]:
     return [hf_greedy(model, p, MAX_TOKENS).tokens for p in PROMPTS]
 
 
+@pytest.fixture(scope="module")
+def reference(hf_greedy):
+    """HF greedy tokens of the `shared` fixture's model (built from the same seed), computed once."""
+    return _reference(hf_greedy, make_tiny_model("llama")[0])
+
+
 def _kv_storages(llm) -> list[torch.Tensor]:
     return [t for pair in llm.llm_engine.cache.owned() for t in pair]
 
@@ -40,7 +46,7 @@ def _storage_bytes(tensors) -> int:
 
 
 def _all_freed(refs) -> bool:
-    gc.collect()
+    # No gc.collect(): the storage must go when the engine lets go, not at some later collection.
     return all(ref() is None for ref in refs)
 
 
@@ -52,10 +58,9 @@ def shared():
 
 
 @pytest.mark.parametrize("level", [1, 2, "1", "2"])
-def test_sleep_frees_cache_and_wake_restores_tokens(shared, level, hf_greedy):
+def test_sleep_frees_cache_and_wake_restores_tokens(shared, level, reference):
     model, llm = shared
     assert llm.llm_engine.vllm_config.model_config.enable_sleep_mode
-    reference = _reference(hf_greedy, model)
     assert _tokens(llm) == reference
     cache = _kv_storages(llm)
     cache_bytes = _storage_bytes(cache)
@@ -89,26 +94,25 @@ def test_bad_sleep_level(shared, level):
     assert llm.llm_engine.kv_cache_awake
 
 
-def test_bad_wake_tag(shared, hf_greedy):
+def test_bad_wake_tag(shared, reference):
     """A bad tag is refused before anything wakes; the next valid call wakes everything."""
-    model, llm = shared
+    _, llm = shared
     llm.sleep()
     with pytest.raises(ValueError, match="tags.*everything"):
         llm.wake_up(tags=["kv_cache", "everything"])
     assert llm.is_sleeping() and not _kv_storages(llm)
     llm.wake_up()
-    assert _tokens(llm) == _reference(hf_greedy, model)
+    assert _tokens(llm) == reference
 
 
 def _owned_llm(tmp_path):
-    from transformers import AutoModelForCausalLM
-
+    """An engine that loads its own copy of a saved model, and the in-memory original (HF's)."""
     model, tok = make_tiny_model("qwen3")
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    reference_model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     llm = LLM(str(tmp_path), max_model_len=128, max_num_seqs=4, num_kv_pages=32, dtype="float32")
-    return llm, reference_model
+    assert llm.model is not model
+    return llm, model
 
 
 def test_owned_weights_sleep_and_wake(tmp_path, hf_greedy):
@@ -181,13 +185,13 @@ def _hf_tokens(model) -> list[list[int]]:
     return outs
 
 
-def test_weight_sync_hooks_follow_a_trainer_step(shared):
+def test_weight_sync_hooks_follow_a_trainer_step(shared, reference):
     """TRL's sync after an optimizer step (weights changed in place, then `reset_prefix_cache` and,
     on older TRL, `collective_rpc("reload_weights")`): the next rollout follows the new weights, as
     HF's generate on the same model does. `collective_rpc` reaches the worker's objects by name."""
     model, llm = shared
     before = _tokens(llm)
-    assert before == _hf_tokens(model)
+    assert before == reference
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05, alpha=1.0)
