@@ -68,13 +68,15 @@ def _check_config(cfg: dict, where: str) -> None:
         raise NotImplementedError(f"{where}: peft_type {cfg.get('peft_type')!r} is not LoRA")
 
 
-def _read_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_adapter_dir(path: str, param: str = "lora_path") -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter config, tensors) of a saved PEFT adapter directory (safetensors only); errors name
+    `param`, the caller's argument that holds `path`."""
     config_file = os.path.join(path, "adapter_config.json")
     weights_file = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isdir(path):
-        raise ValueError(f"lora_path {path!r} is not a directory")
+        raise ValueError(f"{param} {path!r} is not a directory")
     if not os.path.isfile(config_file) or not os.path.isfile(weights_file):
-        raise ValueError(f"lora_path {path!r} needs adapter_config.json and adapter_model.safetensors "
+        raise ValueError(f"{param} {path!r} needs adapter_config.json and adapter_model.safetensors "
                          f"(pickled .bin adapters are never loaded)")
     from safetensors.torch import load_file
 
@@ -82,7 +84,7 @@ def _read_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
         try:
             cfg = json.load(f)
         except json.JSONDecodeError as err:
-            raise ValueError(f"lora_path {path!r}: adapter_config.json is not valid JSON: {err}") from None
+            raise ValueError(f"{param} {path!r}: adapter_config.json is not valid JSON: {err}") from None
     return cfg, load_file(weights_file)
 
 
@@ -125,7 +127,7 @@ def load_adapter(request: LoRARequest, num_layers: int, targets: Targets,
     if request.lora_tensors is not None:
         cfg, tensors = _config_dict(request.lora_config), request.lora_tensors
     else:
-        cfg, tensors = _read_dir(request.lora_path)
+        cfg, tensors = read_adapter_dir(request.lora_path)
     _check_config(cfg, where)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
