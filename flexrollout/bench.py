@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from .weights import weight_bytes as _weight_bytes
+
 logger = logging.getLogger(__name__)
 
 # Real sizes (DESIGN.md §4). rope: (theta, llama3 scaling factor or None).
@@ -141,15 +143,6 @@ def measure_matmul(device: str, n: int = 8192) -> float:
 def _sync(device: str) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def _weight_bytes(model) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[dict]:

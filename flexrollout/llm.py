@@ -14,7 +14,7 @@ from .engine.sequence import Sequence
 from .lora import AdapterRegistry
 from .lora.merged import MergedLora
 from .lora_request import LoRARequest
-from .weights import ModelExecutor
+from .weights import ModelExecutor, weight_bytes
 from .models import build_forward, unwrap_peft
 from .outputs import CompletionOutput, RequestOutput
 from .prompts import Prompt, check_tokens, split_prompts, to_prompt
@@ -77,7 +77,7 @@ class LLM:
         spec = forward.spec
         model_len = max_model_len or spec.max_position_embeddings
         device = torch.device(self.config.device) if self.config.device else param.device
-        owned = _weight_bytes(self.model) if isinstance(model, str) else 0
+        owned = weight_bytes(self.model) if isinstance(model, str) else 0
         self.llm_engine = LLMEngine(forward, self.tokenizer, self.config, device, run_dtype,
                                     model_len, model_name, owned_weight_bytes=owned)
         self.llm_engine.model_config.enable_sleep_mode = bool(enable_sleep_mode)
@@ -454,10 +454,3 @@ def _progress(total: int, enabled: bool):
 
 FlexEngine = LLM
 
-
-def _weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's distinct parameter storages (tied weights counted once)."""
-    seen: dict[int, int] = {}
-    for p in model.parameters():
-        seen[p.data_ptr()] = p.numel() * p.element_size()
-    return sum(seen.values())

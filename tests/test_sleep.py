@@ -133,13 +133,13 @@ def test_owned_weights_sleep_and_wake(tmp_path, hf_greedy):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_owned_weights_sleep_frees_gpu_memory(tmp_path, hf_greedy):
     """On CUDA, sleep hands back at least the weights' and the cache's bytes; wake takes them again."""
-    from flexrollout.llm import _weight_bytes
+    from flexrollout.weights import weight_bytes
 
     llm, reference_model = _owned_llm(tmp_path)
     assert next(llm.model.parameters()).is_cuda
     reference = _reference(hf_greedy, reference_model)
     assert _tokens(llm) == reference
-    weights, cache = _weight_bytes(llm.model), _storage_bytes(_kv_storages(llm))
+    weights, cache = weight_bytes(llm.model), _storage_bytes(_kv_storages(llm))
     torch.cuda.synchronize()
     awake = torch.cuda.memory_allocated()
     llm.sleep(level=1)
