@@ -14,6 +14,7 @@ flexrollout runs by design.
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 
@@ -496,6 +497,31 @@ def test_min_tokens_and_ignore_eos(smol, stop_case, hf_greedy):
     assert ignored.finish_reason == "length" and ignored.stop_reason is None
     assert ignored.text == tok.decode(ref_ignore, skip_special_tokens=False)
     assert "<|im_end|>" in ignored.text
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["DecodeStream", "slow-tokenizer-offsets"])
+def test_incremental_text_matches_the_tokenizers_decode(smol, streamed):
+    """Stop strings are searched in text decoded token by token; that text must be the
+    tokenizer's own decode of the output continuing the prompt, multi-byte characters split
+    across byte-level tokens included (a partial character is held back, never emitted)."""
+    from flexrollout.engine import detokenizer
+    from flexrollout.engine.sequence import Sequence
+
+    tok = smol.tok
+    prompt = tok("Say it:", add_special_tokens=False).input_ids
+    output = tok(" héllo wörld 🙂 日本語 done", add_special_tokens=False).input_ids
+    seq = Sequence(seq_id=0, request_index=0, sample_index=0, token_ids=list(prompt),
+                   num_prompt_tokens=len(prompt), params=SamplingParams(stop=["never"]), max_tokens=64, seed=0)
+    append = (functools.partial(detokenizer._append_streamed, tok.backend_tokenizer) if streamed
+              else functools.partial(detokenizer._append_by_offsets, tok))
+    pieces = []
+    for token in output:
+        seq.token_ids.append(token)
+        pieces.append(append(seq))
+    expected = tok.decode(prompt + output)[len(tok.decode(prompt)):]
+    assert "".join(pieces) == seq.text == expected
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert "" in pieces                     # some token ended inside a character and was held back
 
 
 # ============================================================================================ 6-7. processing
