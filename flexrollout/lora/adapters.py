@@ -9,6 +9,7 @@ before any work: a missing or malformed adapter is a clear error, never a silent
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -49,6 +50,22 @@ def _config_dict(config) -> dict:
     if hasattr(config, "to_dict"):
         return config.to_dict()
     return vars(config)
+
+
+def _parsed_config(cfg: dict, where: str) -> dict:
+    """The adapter config as PEFT reads it (its defaults, e.g. lora_alpha=8 when absent, and its
+    checks) when peft is installed; the raw dict otherwise. Keys this PEFT does not know (a newer
+    release's) are left out rather than refused."""
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        return cfg
+    known = {f.name for f in dataclasses.fields(LoraConfig)}
+    try:
+        config = LoraConfig(**{k: v for k, v in cfg.items() if k in known})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: the adapter config is not a valid LoRA config: {err}") from None
+    return config.to_dict()
 
 
 def _scaling(cfg: dict, module: str) -> tuple[int, float]:
@@ -129,6 +146,7 @@ def load_adapter(request: LoRARequest, num_layers: int, targets: Targets,
     else:
         cfg, tensors = read_adapter_dir(request.lora_path)
     _check_config(cfg, where)
+    cfg = _parsed_config(cfg, where)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         layer, name, which = _target_of(key, cfg, targets, num_layers, where)
