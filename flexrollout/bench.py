@@ -7,7 +7,6 @@ is measured in the same process (a large copy on the same device, bytes read + w
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
@@ -15,6 +14,7 @@ import time
 import torch
 
 from .models.gemma4_presets import GEMMA4_PRESETS, experts_per_token, gemma4_config, rows_only_weights
+from .weights import weight_bytes as _weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -174,15 +174,6 @@ def measure_matmul(device: str, n: int = 8192) -> float:
 def _sync(device: str) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def _weight_bytes(model) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[dict]:

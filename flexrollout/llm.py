@@ -14,11 +14,11 @@ from .engine.sequence import Sequence
 from .lora import AdapterRegistry
 from .lora.merged import MergedLora
 from .lora_request import LoRARequest
+from .weights import ModelExecutor, weight_bytes
 from .models import build_forward, unwrap_peft
 from .outputs import CompletionOutput, RequestOutput
 from .prompts import Prompt, check_tokens, split_prompts, to_prompt
 from .sampling_params import SamplingParams
-from .weights import ModelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +31,15 @@ _MUST_EQUAL = {
 # vLLM keyword arguments renamed into EngineConfig.
 _RENAMED = {"block_size": "page_size", "num_gpu_blocks_override": "num_kv_pages"}
 # vLLM keyword arguments that have no meaning for an in-process engine over shared weights.
+# (Those `LLM.__init__` names itself, such as `enable_lora`, never reach this set.)
 _IGNORED = {
-    "trust_remote_code", "revision", "tokenizer_revision", "tokenizer_mode", "skip_tokenizer_init",
+    "tokenizer_revision", "tokenizer_mode", "skip_tokenizer_init",
     "download_dir", "load_format", "swap_space", "disable_log_stats", "disable_custom_all_reduce",
     "distributed_executor_backend", "model_impl", "enable_chunked_prefill", "max_seq_len_to_capture",
-    "compilation_config", "worker_extension_cls", "max_logprobs", "enable_lora", "max_lora_rank",
-    "max_loras", "max_cpu_loras", "lora_dtype", "enable_sleep_mode", "hf_overrides",
+    "compilation_config", "worker_extension_cls", "max_logprobs",
+    "max_loras", "max_cpu_loras", "lora_dtype", "hf_overrides",
     "served_model_name", "allowed_local_media_path", "limit_mm_per_prompt", "async_scheduling",
-    "disable_async_output_proc", "use_v2_block_manager", "num_scheduler_steps", "enable_prefix_caching",
+    "disable_async_output_proc", "use_v2_block_manager", "num_scheduler_steps",
 }
 
 
@@ -47,21 +48,24 @@ class LLM:
 
     `model` is a hub id / local directory (loaded with transformers; `gguf_file=` passes through)
     or a `PreTrainedModel` / `PeftModel` already in memory, whose parameters are used as they
-    are: no copy, no change to its modules.
+    are: no copy, no change to its modules. `trust_remote_code` and `revision` go to
+    transformers' `from_pretrained` calls (model and tokenizer) when `model` is a hub id.
     """
 
     def __init__(self, model, tokenizer=None, dtype="auto", seed: int = 0,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  max_num_seqs: int = 256, enforce_eager: bool = False,
                  enable_sleep_mode: bool = False, enable_lora: bool = False, max_lora_rank: int = 16,
-                 enable_prefix_caching: bool = True, gguf_file: str | None = None, **kwargs) -> None:
+                 enable_prefix_caching: bool = True, gguf_file: str | None = None,
+                 trust_remote_code: bool = False, revision: str | None = None, **kwargs) -> None:
         engine_kwargs = self._engine_kwargs(kwargs)
         self.config = EngineConfig(
             dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
             enable_prefix_caching=enable_prefix_caching, **engine_kwargs)
+        hub = {"trust_remote_code": trust_remote_code, "revision": revision}
         self.model, self.tokenizer, model_name = self._load(
-            model, tokenizer, gguf_file, kwargs, dtype, self.config.device)
+            model, tokenizer, gguf_file, hub, dtype, self.config.device)
         hf = unwrap_peft(self.model)
         param = next(hf.parameters())
         run_dtype = resolve_dtype(dtype, param.dtype)
@@ -73,7 +77,7 @@ class LLM:
         spec = forward.spec
         model_len = max_model_len or spec.max_position_embeddings
         device = torch.device(self.config.device) if self.config.device else param.device
-        owned = _weight_bytes(self.model) if isinstance(model, str) else 0
+        owned = weight_bytes(self.model) if isinstance(model, str) else 0
         with device_scope(device):       # the model's GPU, whichever device is current
             self.llm_engine = LLMEngine(forward, self.tokenizer, self.config, device, run_dtype,
                                         model_len, model_name, owned_weight_bytes=owned)
@@ -117,7 +121,10 @@ class LLM:
         return out
 
     @staticmethod
-    def _load(model, tokenizer, gguf_file, kwargs, dtype, device):
+    def _load(model, tokenizer, gguf_file, hub: dict, dtype, device):
+        """(model, tokenizer, name). `hub` (trust_remote_code, revision) goes to every
+        `from_pretrained` of a hub id / directory; an in-memory model's own tokenizer path is read
+        without them (the user already ran whatever code that model needed)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if isinstance(model, torch.nn.Module):
@@ -125,12 +132,12 @@ class LLM:
                 path = getattr(unwrap_peft(model).config, "_name_or_path", None)
                 tokenizer = AutoTokenizer.from_pretrained(path) if path else None
             elif isinstance(tokenizer, str):
-                tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+                tokenizer = AutoTokenizer.from_pretrained(tokenizer, **hub)
             name = getattr(unwrap_peft(model).config, "_name_or_path", "") or type(model).__name__
             return model, tokenizer, name
         if not isinstance(model, str):
             raise TypeError(f"model must be a str or a torch.nn.Module, got {type(model).__name__}")
-        extra = {k: kwargs[k] for k in ("trust_remote_code", "revision") if k in kwargs}
+        extra = dict(hub)
         if gguf_file is not None:
             extra["gguf_file"] = gguf_file
         load_dtype = dtype if dtype == "auto" else resolve_dtype(dtype, torch.float32)
@@ -138,7 +145,7 @@ class LLM:
         loaded = loaded.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
         if isinstance(tokenizer, str) or tokenizer is None:
             tok_extra = {"gguf_file": gguf_file} if gguf_file and tokenizer is None else {}
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer or model, **tok_extra)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer or model, **tok_extra, **hub)
         return loaded, tokenizer, model
 
     def _eos_token_ids(self, hf) -> frozenset[int]:
@@ -382,10 +389,11 @@ class LLM:
         groups: dict[tuple, list[Sequence]] = {}
         for seqs in per_request:
             for seq in seqs:
-                # prompt_logprobs are computed by the leader only; keep such requests alone.
+                # A request that skips reading shared prompt KV (by default, one asking for
+                # prompt_logprobs, which only a group's leader computes) stays alone.
                 lora_id = seq.lora.lora_int_id if seq.lora is not None else 0
-                key = ((lora_id, tuple(seq.token_ids)) if seq.params.prompt_logprobs is None
-                       else (seq.seq_id,))
+                key = ((seq.seq_id,) if seq.params.skip_reading_prefix_cache
+                       else (lora_id, tuple(seq.token_ids)))
                 groups.setdefault(key, []).append(seq)
         return list(groups.values())
 
@@ -447,10 +455,3 @@ def _progress(total: int, enabled: bool):
 
 FlexEngine = LLM
 
-
-def _weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's distinct parameter storages (tied weights counted once)."""
-    seen: dict[int, int] = {}
-    for p in model.parameters():
-        seen[p.data_ptr()] = p.numel() * p.element_size()
-    return sum(seen.values())

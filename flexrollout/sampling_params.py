@@ -32,6 +32,13 @@ Normalisations done in ``__init__`` that the engine may rely on:
 * ``output_kind``, ``flat_logprobs``, ``stream_interval`` and ``skip_clone``
   are accepted for compatibility and do not change the offline result
   (a list of ``dict[int, Logprob]`` duck-types vLLM's flat logprobs).
+* ``skip_reading_prefix_cache`` (default: on exactly when ``prompt_logprobs``
+  is asked for) keeps the request out of shared prefills: its prompt is
+  computed on its own, for each of its ``n`` samples.
+* EOS ids are not kept here: the engine reads them from the tokenizer and the
+  model's generation config (vLLM's ``update_from_generation_config``, its
+  ``all_stop_token_ids`` and ``output_text_buffer_length`` serve its
+  streaming engine and are left out).
 * ``spaces_between_special_tokens`` is validated and ignored: transformers 5's
   tokenizers (fast and sentencepiece alike) accept it in ``decode`` and do not
   read it, so there is nothing to pass it to.
@@ -213,13 +220,6 @@ def _as_logit_bias(value: Any) -> dict[int, float] | None:
             raise ValueError(f"logit_bias[{key!r}] must be a number below +inf, got {amount}")
         bias[token_id] = amount
     return bias
-
-
-def _config_value(config: Mapping[str, Any] | Any, key: str) -> Any:
-    """Read a key from a dict (vLLM passes one) or a transformers GenerationConfig."""
-    if isinstance(config, Mapping):
-        return config.get(key)
-    return getattr(config, key, None)
 
 
 def _reject_if_set(name: str, value: Any, what: str) -> None:
@@ -433,14 +433,8 @@ class SamplingParams:
         self.logits_processors = None
 
     def _set_internal_state(self) -> None:
-        """State vLLM keeps beside the user fields; filled in by the engine."""
-        self._eos_token_id: int | None = None
-        self._all_stop_token_ids: set[int] = set(self.stop_token_ids)
+        """State vLLM keeps beside the user fields; filled in by `update_from_tokenizer`."""
         self._bad_words_token_ids: list[list[int]] | None = None
-        # Characters of decoded text to hold back while a stop string may still complete.
-        self.output_text_buffer_length = (
-            max(len(s) for s in self.stop) - 1 if self.stop and not self.include_stop_str_in_output else 0
-        )
 
     def _normalise_greedy(self) -> None:
         """Greedy ignores the filters; vLLM resets them and forbids n > 1."""
@@ -466,46 +460,11 @@ class SamplingParams:
         return SamplingType.RANDOM
 
     @property
-    def eos_token_id(self) -> int | None:
-        """EOS id that ends generation; None until set or when ``ignore_eos``."""
-        return self._eos_token_id
-
-    @property
-    def all_stop_token_ids(self) -> set[int]:
-        """stop_token_ids plus every EOS id, even with ignore_eos (min_tokens masks these)."""
-        return self._all_stop_token_ids
-
-    @property
     def bad_words_token_ids(self) -> list[list[int]] | None:
         """Token sequences of ``bad_words``; filled by ``update_from_tokenizer``."""
         return self._bad_words_token_ids
 
     # ------------------------------------------------------- engine hooks
-
-    def update_from_generation_config(
-        self, generation_config: Mapping[str, Any] | Any, eos_token_id: int | None = None
-    ) -> None:
-        """Merge the model's EOS ids, as vLLM does; call on a ``clone()``.
-
-        ``eos_token_id`` (the tokenizer's) becomes ``eos_token_id`` unless
-        ``ignore_eos``; extra ids from ``generation_config["eos_token_id"]`` are
-        appended to ``stop_token_ids`` (unless ``ignore_eos``).  All of them go
-        into ``all_stop_token_ids``, which ``min_tokens`` masking needs.
-        """
-        if not self.ignore_eos:
-            self._eos_token_id = eos_token_id
-        if eos_token_id is not None:
-            self._all_stop_token_ids.add(eos_token_id)
-        extra = _config_value(generation_config, "eos_token_id")
-        if extra is None:
-            return
-        extra_ids = {extra} if isinstance(extra, int) else set(extra)
-        extra_ids.discard(eos_token_id)
-        if not extra_ids:
-            return
-        self._all_stop_token_ids.update(extra_ids)
-        if not self.ignore_eos:
-            self.stop_token_ids = _dedup(self.stop_token_ids + sorted(extra_ids))
 
     def update_from_tokenizer(self, tokenizer: Any) -> None:
         """Tokenise ``bad_words`` both word-initial and mid-text (with a leading space)."""
@@ -526,7 +485,7 @@ class SamplingParams:
     # ------------------------------------------------------------ copying
 
     def clone(self) -> SamplingParams:
-        """Independent copy (the engine mutates stop ids per model); shallow if ``skip_clone``."""
+        """Independent copy; shallow if ``skip_clone``."""
         return copy.copy(self) if self.skip_clone else copy.deepcopy(self)
 
     def __eq__(self, other: object) -> bool:

@@ -12,6 +12,14 @@ from .models import unwrap_peft
 _PREFIXES = ("base_model.model.",)
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's distinct parameter storages (tied weights counted once)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        seen[p.data_ptr()] = p.numel() * p.element_size()
+    return sum(seen.values())
+
+
 def _clean(name: str) -> str:
     for prefix in _PREFIXES:
         if name.startswith(prefix):

@@ -2,7 +2,9 @@
 
 Every test runs the same requests through two engines over the same model, ``async_decode=True`` and
 ``False``, and asserts identical outputs, plus that the async engine really overlapped steps
-(``stats.overlapped_decode_steps``) where it should. The CPU path runs the same pipelined logic as CUDA
+(``stats.overlapped_decode_steps``) where it should. Stop ids and strings never come from either
+engine's output: greedy cases take them from HF's greedy path (and expect HF's path cut at the stop);
+sampled cases stop on a fixed set of ids and check the stop rule itself on every completion. The CPU path runs the same pipelined logic as CUDA
 (``slot_tokens`` / ``from_device`` in the eager decode), so these tests exercise it.
 
 Logprobs are compared exactly when both engines run the same batches. A stop (EOS, stop id, stop string)
@@ -99,9 +101,28 @@ def _engine_is_clean(llm) -> None:
     assert engine.pages.num_free_slots == engine.config.max_num_seqs
 
 
-def _stop_ids_at(reference, steps) -> list[int]:
-    """For each request, the token its reference output drew at the given step."""
-    return [out.outputs[0].token_ids[k] for out, k in zip(reference, steps)]
+def _cut_at_stop(path: list[int], stop: int) -> list[int]:
+    """What a greedy request with `stop_token_ids=[stop]` returns when HF's greedy path is `path`."""
+    return path[:path.index(stop) + 1] if stop in path else path
+
+
+def _check_stop_rule(outs, stop_ids: set[int], max_tokens) -> None:
+    """Each completion ends at its first token in `stop_ids` (finish "stop", that token as the
+    reason) or, holding none, runs to max_tokens (finish "length")."""
+    for i, out in enumerate(outs):
+        limit = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
+        for c in out.outputs:
+            tokens = list(c.token_ids)
+            first = next((k for k, t in enumerate(tokens) if t in stop_ids), None)
+            if first is None:
+                assert (len(tokens), c.finish_reason) == (limit, "length")
+            else:
+                assert len(tokens) == first + 1 and (c.finish_reason, c.stop_reason) == ("stop", tokens[-1])
+
+
+# Sampled requests stop on every 9th id: on the tiny model's near-flat distribution a sequence
+# holds one after ~9 tokens on average, so stops and length endings mix.
+SAMPLED_STOPS = list(range(4, 500, 9))
 
 
 @pytest.fixture(scope="module")
@@ -129,45 +150,48 @@ def test_length_endings_match_sync_exactly(tiny, sampling):
 
 
 @pytest.mark.parametrize("max_num_seqs", [8, 3], ids=["all-running", "queued"])
-def test_stop_ids_found_one_step_late(tiny, max_num_seqs):
+def test_stop_ids_found_one_step_late(tiny, hf_greedy, max_num_seqs):
     """EOS-like stop ids end the sequences at different steps, each while the next step is already in
     flight: that step's row is discarded (not appended, not counted), and the outputs stay the same."""
     model, tok = tiny
     prompts = random_prompts([5, 12, 20, 33, 7, 9], seed=2)
-    pair = _pair(model, tok, max_num_seqs=max_num_seqs)
-    reference = pair[1].generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                                 use_tqdm=False)
-    steps = [2, 4, 6, 8, 10, 12]
-    stops = _stop_ids_at(reference, steps)
+    paths = [hf_greedy(model, p, 20).tokens for p in prompts]
+    stops = [path[k] for path, k in zip(paths, [2, 4, 6, 8, 10, 12])]
     params = [SamplingParams(temperature=0, max_tokens=20, logprobs=2, stop_token_ids=[s]) for s in stops]
-    a, b, da, _ = _generate_both(pair, prompts, params)
+    a, b, da, _ = _generate_both(_pair(model, tok, max_num_seqs=max_num_seqs), prompts, params)
     _assert_same(a, b, exact_logprobs=False)
-    for out, stop in zip(a, stops):
+    for out, path, stop in zip(a, paths, stops):
+        assert list(out.outputs[0].token_ids) == _cut_at_stop(path, stop)
         assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop)
     assert len({len(o.outputs[0].token_ids) for o in a}) > 1
     assert da["discarded_tokens"] > 0
 
 
-def test_stop_strings_and_eos_mixed(tiny):
+def test_stop_strings_and_eos_mixed(tiny, hf_greedy):
     """Stop strings (detokenized, found one step late), a stop id, the tokenizer's EOS and a length
     ending in one batch; include_stop_str_in_output both ways."""
     model, tok = tiny
     prompts = random_prompts([6, 11, 17, 25, 8], seed=3)
-    pair = _pair(model, tok)
-    reference = pair[1].generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                                 use_tqdm=False)
-    ids = [o.outputs[0].token_ids for o in reference]
+    ids = [hf_greedy(model, p, 16).tokens for p in prompts]
     words = lambda toks: " ".join(tok.convert_ids_to_tokens(toks))  # noqa: E731
+    stop0, stop1 = words(ids[0][2:4]), words(ids[1][5:7])
     params = [
-        SamplingParams(temperature=0, max_tokens=16, stop=[words(ids[0][2:4])], logprobs=1),
-        SamplingParams(temperature=0, max_tokens=16, stop=[words(ids[1][5:7])], include_stop_str_in_output=True),
+        SamplingParams(temperature=0, max_tokens=16, stop=[stop0], logprobs=1),
+        SamplingParams(temperature=0, max_tokens=16, stop=[stop1], include_stop_str_in_output=True),
         SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[ids[2][7]], logprobs=0),
         SamplingParams(temperature=0, max_tokens=9),
         SamplingParams(temperature=0, max_tokens=16, stop=["never appears"], logprobs=2),
     ]
-    a, b, da, _ = _generate_both(pair, prompts, params)
+    a, b, da, _ = _generate_both(_pair(model, tok), prompts, params)
     _assert_same(a, b, exact_logprobs=False)
     assert [o.outputs[0].finish_reason for o in a] == ["stop", "stop", "stop", "length", "length"]
+    expected = [ids[0][:4], ids[1][:7], _cut_at_stop(ids[2], ids[2][7]), ids[3][:9], ids[4]]
+    assert [list(o.outputs[0].token_ids) for o in a] == expected
+    # The tokenizer's text of the output, continuing the prompt's (so with its leading space).
+    continuation = lambda prompt, out: tok.decode(prompt + out)[len(tok.decode(prompt)):]  # noqa: E731
+    full0, full1 = continuation(prompts[0], ids[0][:4]), continuation(prompts[1], ids[1][:7])
+    assert a[0].outputs[0].text == full0[:full0.index(stop0)]
+    assert a[1].outputs[0].text == full1[:full1.index(stop1) + len(stop1)]
     assert da["discarded_tokens"] > 0
 
 
@@ -176,17 +200,16 @@ def test_n_samples_per_prompt(tiny):
     model, tok = tiny
     prompts = random_prompts([9, 21, 14], seed=4)
     pair = _pair(model, tok, max_num_seqs=8)
-    reference = pair[1].generate(prompts, SamplingParams(temperature=1.0, seed=3, max_tokens=14,
-                                                         ignore_eos=True), use_tqdm=False)
-    stop = reference[0].outputs[0].token_ids[5]
     params = [
-        SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=14, logprobs=1, stop_token_ids=[stop]),
+        SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=14, logprobs=1, stop_token_ids=SAMPLED_STOPS,
+                       ignore_eos=True),
         SamplingParams(n=2, temperature=0.7, top_k=20, max_tokens=10, logprobs=2),   # seeds from LLM(seed)
         SamplingParams(n=4, temperature=1.0, seed=9, max_tokens=12, ignore_eos=True),
     ]
     a, b, _, _ = _generate_both(pair, prompts, params)
     _assert_same(a, b, exact_logprobs=False)
-    assert a[0].outputs[0].finish_reason == "stop"
+    _check_stop_rule(a[:1], set(SAMPLED_STOPS), 14)
+    assert "stop" in {c.finish_reason for c in a[0].outputs}
     assert a[1].num_cached_tokens > 0 and len({tuple(c.token_ids) for c in a[2].outputs}) > 1
 
 
@@ -234,13 +257,12 @@ def test_more_prompts_than_slots(tiny):
     model, tok = tiny
     prompts = random_prompts([4 + 3 * i for i in range(12)], seed=6)
     pair = _pair(model, tok, max_num_seqs=4)
-    reference = pair[1].generate(prompts, SamplingParams(temperature=0.9, seed=4, max_tokens=15,
-                                                         ignore_eos=True), use_tqdm=False)
-    stops = _stop_ids_at(reference, [3 + i % 9 for i in range(12)])
     params = [SamplingParams(temperature=0.9, seed=4, max_tokens=5 + i, logprobs=2,
-                             stop_token_ids=[stops[i]] if i % 2 else None) for i in range(12)]
+                             stop_token_ids=SAMPLED_STOPS if i % 2 else None, ignore_eos=True)
+              for i in range(12)]
     a, b, _, _ = _generate_both(pair, prompts, params)
     _assert_same(a, b, exact_logprobs=False)
+    _check_stop_rule(a[1::2], set(SAMPLED_STOPS), [5 + i for i in range(1, 12, 2)])
     assert {o.outputs[0].finish_reason for o in a} == {"stop", "length"}
 
 
@@ -339,11 +361,9 @@ def test_gpu_graphs_async_matches_sync():
     kwargs = dict(max_model_len=1024, max_num_seqs=8, num_kv_pages=64)
     engines = [LLM(model, async_decode=flag, **kwargs) for flag in (True, False)]
     assert all(e.llm_engine.runner.graphs is not None for e in engines)
-    base = dict(temperature=0.8, top_p=0.9, seed=7)
-    reference = engines[1].generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True, **base),
-                                    use_tqdm=False)
-    stops = [o.outputs[0].token_ids[4 + 3 * i] for i, o in enumerate(reference)]
-    params = [SamplingParams(max_tokens=20 + 2 * i, logprobs=2, stop_token_ids=[stops[i]] if i % 3 else None,
+    base = dict(temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    stops = list(range(2, vocab, 16))     # ~1 in 16 draws of a near-flat distribution stops
+    params = [SamplingParams(max_tokens=20 + 2 * i, logprobs=2, stop_token_ids=stops if i % 3 else None,
                              **base) for i in range(len(prompts))]
     before = [_stats(e) for e in engines]
     a = engines[0].generate(prompts, params, use_tqdm=False)
@@ -359,5 +379,7 @@ def test_gpu_graphs_async_matches_sync():
             assert list(dx) == list(dy)
             for t in dx:
                 assert dx[t].logprob == pytest.approx(dy[t].logprob, abs=1e-4)
+    _check_stop_rule([o for i, o in enumerate(a) if i % 3], set(stops),
+                     [20 + 2 * i for i in range(len(prompts)) if i % 3])
     assert {o.outputs[0].finish_reason for o in a} == {"stop", "length"}
     _engine_is_clean(engines[0])

@@ -121,6 +121,25 @@ def test_lora_request_in_memory_tensors(saved_adapter):
     assert _gen(llm, lora_request=load_lora(base, path)) == reference
 
 
+def test_adapter_config_read_with_peft_defaults(saved_adapter, tmp_path):
+    """A saved config without lora_alpha: PEFT (the reference, loading the same directory)
+    scales by its default alpha of 8, not by alpha = r."""
+    import shutil
+
+    from peft import PeftModel
+
+    base, tok, path, _ = saved_adapter
+    stripped = tmp_path / "no_alpha"
+    shutil.copytree(path, stripped)
+    cfg = json.loads((stripped / "adapter_config.json").read_text())
+    assert cfg.pop("lora_alpha") == 8 and cfg["r"] == 4
+    (stripped / "adapter_config.json").write_text(json.dumps(cfg))
+    reference_model = PeftModel.from_pretrained(make_tiny_model("llama")[0], str(stripped)).eval()
+    reference = [_hf(reference_model, p) for p in PROMPTS]
+    llm = LLM(base, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32, enable_lora=True)
+    assert _gen(llm, lora_request=LoRARequest("no_alpha", 3, str(stripped))) == reference
+
+
 def test_bad_adapters_raise_before_work(saved_adapter, tmp_path):
     base, tok, path, reference = saved_adapter
     llm = LLM(base, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32, enable_lora=True)

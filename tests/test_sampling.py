@@ -14,6 +14,7 @@ flexrollout runs by design.
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 
@@ -498,6 +499,31 @@ def test_min_tokens_and_ignore_eos(smol, stop_case, hf_greedy):
     assert "<|im_end|>" in ignored.text
 
 
+@pytest.mark.parametrize("streamed", [True, False], ids=["DecodeStream", "slow-tokenizer-offsets"])
+def test_incremental_text_matches_the_tokenizers_decode(smol, streamed):
+    """Stop strings are searched in text decoded token by token; that text must be the
+    tokenizer's own decode of the output continuing the prompt, multi-byte characters split
+    across byte-level tokens included (a partial character is held back, never emitted)."""
+    from flexrollout.engine import detokenizer
+    from flexrollout.engine.sequence import Sequence
+
+    tok = smol.tok
+    prompt = tok("Say it:", add_special_tokens=False).input_ids
+    output = tok(" héllo wörld 🙂 日本語 done", add_special_tokens=False).input_ids
+    seq = Sequence(seq_id=0, request_index=0, sample_index=0, token_ids=list(prompt),
+                   num_prompt_tokens=len(prompt), params=SamplingParams(stop=["never"]), max_tokens=64, seed=0)
+    append = (functools.partial(detokenizer._append_streamed, tok.backend_tokenizer) if streamed
+              else functools.partial(detokenizer._append_by_offsets, tok))
+    pieces = []
+    for token in output:
+        seq.token_ids.append(token)
+        pieces.append(append(seq))
+    expected = tok.decode(prompt + output)[len(tok.decode(prompt)):]
+    assert "".join(pieces) == seq.text == expected
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert "" in pieces                     # some token ended inside a character and was held back
+
+
 # ============================================================================================ 6-7. processing
 
 
@@ -618,6 +644,22 @@ def test_truncate_prompt_tokens_keeps_the_tail(tiny, peaky, hf_greedy):
 # ============================================================================================ 8. prefix sharing
 
 
+@torch.no_grad()
+def _check_seeded_draws(model, prompt, tokens, seed: int, temperature: float = 1.0) -> None:
+    """Each token a seeded request drew is the Gumbel-max of HF's teacher-forced next-token logits
+    / T with the sampler's documented noise, a pure function of (seed, position, token id); by
+    induction the whole path is HF's. Fails on a near-tie, where engine-vs-HF rounding decides."""
+    from flexrollout.engine.sampler import gumbel_noise
+
+    ids = list(prompt) + list(tokens)
+    logits = model(torch.tensor([ids])).logits[0].float() / temperature
+    positions = torch.arange(len(prompt), len(ids))
+    noise = gumbel_noise(torch.full_like(positions, seed), positions, logits.shape[-1])
+    top2 = (logits[positions - 1] + noise).topk(2)
+    assert top2.indices[:, 0].tolist() == list(tokens)
+    assert (top2.values[:, 0] - top2.values[:, 1]).min() > 1e-4, "near-tie: choose another seed"
+
+
 @pytest.mark.parametrize("prompt_len", [21, 32])  # partial last page copied / page-aligned prompt
 def test_group_shares_prefill_and_pages(peaky, hf_greedy, engine_stats, prompt_len):
     model, _ = peaky
@@ -626,22 +668,23 @@ def test_group_shares_prefill_and_pages(peaky, hf_greedy, engine_stats, prompt_l
     seeds = [11, 22, 33, 44]
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=8, ignore_eos=True) for s in seeds]
 
-    separate, sep_pages, sep_prefill = [], 0, 0
+    reference, sep_pages, sep_prefill = [], 0, 0
     for sp in params:
         before = engine_stats(llm)
         out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
         after = engine_stats(llm)
-        separate.append(_tokens(out))
+        _check_seeded_draws(model, prompt, _tokens(out), sp.seed)
+        reference.append(_tokens(out))
         assert out.num_cached_tokens == 0
         sep_pages += after["pages_allocated"] - before["pages_allocated"]
         sep_prefill += after["prefill_tokens"] - before["prefill_tokens"]
     assert sep_prefill == 4 * prompt_len
-    assert len({tuple(t) for t in separate}) == 4
+    assert len({tuple(t) for t in reference}) == 4
 
     before = engine_stats(llm)
     outs = llm.generate([{"prompt_token_ids": prompt}] * 4, params, use_tqdm=False)
     after = engine_stats(llm)
-    assert [_tokens(o) for o in outs] == separate
+    assert [_tokens(o) for o in outs] == reference
     assert after["prefill_tokens"] - before["prefill_tokens"] == prompt_len
     grouped_pages = after["pages_allocated"] - before["pages_allocated"]
     assert grouped_pages < sep_pages
@@ -664,15 +707,18 @@ def test_group_shares_prefill_and_pages(peaky, hf_greedy, engine_stats, prompt_l
                                                                            ignore_eos=True), use_tqdm=False)
     assert [_tokens(o) for o in outs] == [ref] * 3
 
-    # prefix caching off: no sharing, same tokens
+    # prefix caching off, or a request that skips reading shared KV: no sharing, same tokens
     plain = _tiny_llm(peaky, enable_prefix_caching=False)
-    before = engine_stats(plain)
-    outs = plain.generate([{"prompt_token_ids": prompt}] * 4, params, use_tqdm=False)
-    after = engine_stats(plain)
-    assert [_tokens(o) for o in outs] == separate
-    assert after["prefill_tokens"] - before["prefill_tokens"] == 4 * prompt_len
-    assert after["pages_allocated"] - before["pages_allocated"] == sep_pages
-    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 0]
+    skipping = [SamplingParams(temperature=1.0, seed=s, max_tokens=8, ignore_eos=True,
+                               skip_reading_prefix_cache=True) for s in seeds]
+    for engine, request_params in ((plain, params), (llm, skipping)):
+        before = engine_stats(engine)
+        outs = engine.generate([{"prompt_token_ids": prompt}] * 4, request_params, use_tqdm=False)
+        after = engine_stats(engine)
+        assert [_tokens(o) for o in outs] == reference
+        assert after["prefill_tokens"] - before["prefill_tokens"] == 4 * prompt_len
+        assert after["pages_allocated"] - before["pages_allocated"] == sep_pages
+        assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 0]
 
 
 # ============================================================================================ 9. bad values

@@ -81,11 +81,6 @@ def test_unsloth_style_kwarg_filtering() -> None:
     assert (sp.temperature, sp.top_p, sp.max_tokens) == (0.8, 0.95, 64)
 
 
-def test_bind_partial_works() -> None:
-    bound = inspect.signature(SamplingParams).bind_partial(temperature=0.5, n=2)
-    assert bound.arguments == {"temperature": 0.5, "n": 2}
-
-
 @pytest.mark.parametrize("name", ["logprob_token_ids", "thinking_token_budget", "trace_decode_token_ids"])
 def test_unsupported_newer_fields_not_advertised(name: str) -> None:
     """Clients probe the signature for features; only list what works."""
@@ -104,14 +99,6 @@ def test_positional_args_rejected() -> None:
         SamplingParams(2)  # type: ignore[misc]
 
 
-def test_no_slots_and_attributes_assignable() -> None:
-    sp = SamplingParams()
-    assert not hasattr(SamplingParams, "__slots__")
-    sp.max_tokens = 99
-    sp.custom_attribute = "ok"
-    assert sp.max_tokens == 99
-
-
 # ---------------------------------------------------------------- defaults
 
 
@@ -124,8 +111,7 @@ def test_defaults_after_normalisation() -> None:
     assert sp.logprobs is None and sp.prompt_logprobs is None
     assert sp.logit_bias is None and sp.allowed_token_ids is None
     assert sp.sampling_type is SamplingType.RANDOM and not sp.is_greedy
-    assert sp.all_stop_token_ids == set() and sp.eos_token_id is None
-    assert sp.output_text_buffer_length == 0
+    assert sp.skip_reading_prefix_cache is False
 
 
 # ------------------------------------------------------------ invalid values
@@ -243,16 +229,10 @@ def test_stop_string_becomes_list() -> None:
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
 
 
-def test_stop_sets_text_buffer_length() -> None:
-    assert SamplingParams(stop=["ab", "abcd"]).output_text_buffer_length == 3
-    assert SamplingParams(stop=["abcd"], include_stop_str_in_output=True).output_text_buffer_length == 0
-
-
 def test_stop_token_ids_and_bad_words_deduplicated_in_order() -> None:
     sp = SamplingParams(stop_token_ids=(5, 3, 5, 1), bad_words=["x", "y", "x"])
     assert sp.stop_token_ids == [5, 3, 1]
     assert sp.bad_words == ["x", "y"]
-    assert sp.all_stop_token_ids == {1, 3, 5}
 
 
 def test_bad_words_single_string_becomes_list() -> None:
@@ -342,11 +322,6 @@ def test_compatibility_fields_accepted() -> None:
     assert sp.extra_args == {"k": 1} and sp.logits_processors is None and sp.best_of == 3
 
 
-def test_skip_reading_prefix_cache_follows_prompt_logprobs() -> None:
-    assert SamplingParams(prompt_logprobs=0).skip_reading_prefix_cache is True
-    assert SamplingParams().skip_reading_prefix_cache is False
-
-
 def test_trl_style_construction() -> None:
     """TRL 1.x builds greedy-free params with logprobs=0 and an explicit top_k=-1."""
     sp = SamplingParams(
@@ -365,21 +340,6 @@ def test_trl_style_construction() -> None:
 
 
 # ------------------------------------------------------------ engine hooks
-
-
-def test_update_from_generation_config() -> None:
-    sp = SamplingParams(stop_token_ids=[9])
-    sp.update_from_generation_config({"eos_token_id": [2, 7]}, eos_token_id=2)
-    assert sp.eos_token_id == 2
-    assert sp.stop_token_ids == [9, 7]
-    assert sp.all_stop_token_ids == {2, 7, 9}
-
-
-def test_update_from_generation_config_ignore_eos() -> None:
-    sp = SamplingParams(ignore_eos=True)
-    sp.update_from_generation_config({"eos_token_id": 7}, eos_token_id=2)
-    assert sp.eos_token_id is None and sp.stop_token_ids == []
-    assert sp.all_stop_token_ids == {2, 7}
 
 
 def test_update_from_tokenizer_bad_words() -> None:
@@ -403,9 +363,8 @@ def test_clone_is_independent() -> None:
     other.stop_token_ids.append(2)
     other.logit_bias[2] = 2.0
     other.extra_args["a"].append(2)
-    other.update_from_generation_config({}, eos_token_id=5)
     assert sp.stop == ["x"] and sp.stop_token_ids == [1] and sp.logit_bias == {1: 1.0}
-    assert sp.extra_args == {"a": [1]} and sp.all_stop_token_ids == {1}
+    assert sp.extra_args == {"a": [1]}
 
 
 def test_repr_lists_fields() -> None:

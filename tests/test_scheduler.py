@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from flexrollout import SamplingParams
 

@@ -25,7 +25,6 @@ LOGP_DIFF_KEY = "sampling/sampling_logp_difference/max"
 # bf16 on the GPU: the engine's flex kernels and TRL's HF forward round differently. Measured on an
 # H200 (random Qwen3-0.6B, LoRA, 64 x 256 tokens a step): at most 0.039. fp32 runs are held to 1e-3.
 BF16_LOGP_TOL = 0.1
-_SLEEP_READY = all(callable(getattr(flexrollout.LLM, name, None)) for name in ("sleep", "wake_up"))
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +34,6 @@ def _restore_distributed_env():
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {name: os.environ.get(name) for name in names}
     yield
-    fr_trl._ENGINE_KWARGS.clear()  # engine options a test passed to patch_trl(...)
     for name, value in saved.items():
         if value is None:
             os.environ.pop(name, None)
@@ -124,8 +122,10 @@ def _snapshot(model, select):
 
 
 def test_patch_trl_is_idempotent_and_exported():
+    import importlib.util
     import sys
 
+    assert importlib.util.find_spec("vllm") is None, "these tests assume vLLM is not installed"
     patch_trl()
     from trl.generation import vllm_generation as vg
 
@@ -135,9 +135,18 @@ def test_patch_trl_is_idempotent_and_exported():
     assert vg.is_vllm_available() is True
     assert vg.SamplingParams is flexrollout.SamplingParams
     # only TRL's generation module was told about an engine: no stand-in `vllm` module exists
-    assert getattr(sys.modules.get("vllm"), "__file__", "") is not None
-    if hasattr(flexrollout, "patch_trl"):  # re-exported by the package
-        assert flexrollout.patch_trl is patch_trl
+    assert "vllm" not in sys.modules
+    assert flexrollout.patch_trl is patch_trl and flexrollout.integrations.patch_trl is patch_trl
+
+
+def test_patch_trl_engine_options_belong_to_the_installed_factory():
+    """Engine options live on the `LLM` factory the call installs; a later call replaces them."""
+    from trl.generation import vllm_generation as vg
+
+    patch_trl(num_kv_pages=40, enforce_eager=True)
+    assert vg.LLM.engine_kwargs == {"num_kv_pages": 40, "enforce_eager": True}
+    patch_trl()
+    assert vg.LLM.engine_kwargs == {}
 
 
 def test_patch_trl_refuses_unsupported_structure():
@@ -275,18 +284,33 @@ def test_grpo_full_finetune_tiny(tmp_path, tiny_llama, monkeypatch):
     _check_logp_difference(trainer)
 
 
-@pytest.mark.xfail(not _SLEEP_READY, strict=True,
-                   reason="needs LLM.sleep(level) and LLM.wake_up(tags) in flexrollout")
 def test_grpo_sleep_mode_tiny(tmp_path, tiny_llama, monkeypatch):
+    """vllm_enable_sleep_mode=True: TRL puts the engine to sleep after building it and after every
+    rollout, and wakes the KV cache before each; the cache tensors are really dropped in between."""
     from trl import GRPOTrainer
 
+    calls = []
+    for name in ("sleep", "wake_up"):
+        original = getattr(flexrollout.LLM, name)
+
+        def record(self, *args, _name=name, _original=original, **kwargs):
+            calls.append((_name, args, kwargs))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(flexrollout.LLM, name, record)
     patch_trl()
     model, tok = tiny_llama()
     trainer = GRPOTrainer(model=model, reward_funcs=reward_len, processing_class=tok,
                           args=_config(tmp_path, vllm_enable_sleep_mode=True),
                           train_dataset=_tiny_dataset())
+    llm = trainer.vllm_generation.llm
+    assert calls == [("sleep", (), {"level": 2})] and not llm.llm_engine.kv_cache_awake
     gen_calls, load_calls = _train(trainer, monkeypatch)
     assert trainer.state.global_step == 2 and gen_calls.count >= 2 and load_calls.count == 0
+    wakes = [c for c in calls if c == ("wake_up", (), {"tags": ["kv_cache"]})]
+    sleeps = [c for c in calls if c[0] == "sleep"]
+    assert len(wakes) == gen_calls.count and len(sleeps) == gen_calls.count + 1
+    assert not llm.llm_engine.kv_cache_awake and llm.llm_engine.cache.k == []
     _check_logp_difference(trainer)
 
 

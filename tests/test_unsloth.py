@@ -85,12 +85,21 @@ def test_fast_inference_attaches_a_lazy_engine_and_generates_like_hf():
     assert text.split() == [f"t{t}" for t in _hf(model, [5, 9])]
 
 
-def test_fast_generate_batches_splits_and_keeps_order():
+def test_fast_generate_batches_splits_and_keeps_order(monkeypatch):
     model, _, _ = _load()
     prompts = PROMPTS + [[11, 12, 13]]
     inputs = [{"prompt_token_ids": p} for p in prompts]
+    engine, chunks = model.vllm_engine, []
+    generate = engine.generate
+
+    def counting(batch, *args, **kwargs):
+        chunks.append([item["prompt_token_ids"] for item in batch])
+        return generate(batch, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", counting)
     outs = model.fast_generate_batches(inputs, 2, None, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == _tokens(model.fast_generate, prompts)
+    assert chunks == [prompts[:2], prompts[2:]]
+    assert [o.outputs[0].token_ids for o in outs] == [_hf(model, p) for p in prompts]
     with pytest.raises(ValueError, match="n_batches"):
         model.fast_generate_batches(inputs, 0)
 

@@ -1,4 +1,9 @@
-"""Text of generated tokens: incremental (for stop strings) and final."""
+"""Text of generated tokens: incremental (for stop strings) and final.
+
+Fast tokenizers decode incrementally with `tokenizers.decoders.DecodeStream` (it holds back
+incomplete UTF-8 itself, and each step costs one token); slow (Python) tokenizers re-decode a
+short window of ids per step.
+"""
 from __future__ import annotations
 
 from .sequence import Sequence
@@ -12,7 +17,29 @@ def _ids(seq: Sequence) -> list[int]:
 
 
 def append_text(tokenizer, seq: Sequence) -> str:
-    """Decode what the newest token adds to `seq.text`; hold back incomplete UTF-8."""
+    """Decode what the newest tokens add to `seq.text`; hold back incomplete UTF-8."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)     # fast tokenizers only
+    if backend is not None:
+        return _append_streamed(backend, seq)
+    return _append_by_offsets(tokenizer, seq)
+
+
+def _append_streamed(backend, seq: Sequence) -> str:
+    if seq.detok_stream is None:
+        from tokenizers.decoders import DecodeStream
+
+        # The prompt's last tokens as context, so the first output token gets its leading space.
+        context = seq.token_ids[max(0, seq.num_prompt_tokens - _CONTEXT):seq.num_prompt_tokens]
+        seq.detok_stream = DecodeStream(ids=context, skip_special_tokens=seq.params.skip_special_tokens)
+    generated = seq.token_ids[seq.num_prompt_tokens:]
+    pieces = [seq.detok_stream.step(backend, token) for token in generated[seq.detok_fed:]]
+    seq.detok_fed = len(generated)
+    new_text = "".join(p for p in pieces if p is not None)
+    seq.text += new_text
+    return new_text
+
+
+def _append_by_offsets(tokenizer, seq: Sequence) -> str:
     ids = _ids(seq)
     prefix, read = seq.detok_offsets
     if read == 0:

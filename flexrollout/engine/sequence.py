@@ -38,7 +38,9 @@ class Sequence:
     cumulative_logprob: float = 0.0
     text: str = ""                     # detokenized output, kept only when stop strings need it
     bad_words_ids: list[list[int]] = field(default_factory=list)
-    detok_offsets: tuple[int, int] = (0, 0)   # incremental detokenizer's (prefix, read) offsets
+    detok_offsets: tuple[int, int] = (0, 0)   # slow-tokenizer detokenizer's (prefix, read) offsets
+    detok_stream: object | None = field(default=None, repr=False)   # tokenizers' DecodeStream
+    detok_fed: int = 0                 # generated tokens the DecodeStream has seen
     lora: object | None = None         # the Adapter a LoRARequest named, or None
     share_with: "Sequence | None" = field(default=None, repr=False)   # group leader whose prompt KV it reuses
 

@@ -37,8 +37,6 @@ _PATCH_MARK = "_flexrollout_patched"
 _ORIGINALS: dict[str, object] = {}
 # The VLLMGeneration whose `_init_vllm` is running: the `LLM` factory below builds over its model.
 _BUILDING = contextvars.ContextVar("flexrollout_trl_building", default=None)
-# Extra `LLM(...)` keyword arguments for every engine TRL builds (the last patch_trl call's).
-_ENGINE_KWARGS: dict = {}
 
 
 def patch_trl(**engine_kwargs) -> None:
@@ -50,8 +48,6 @@ def patch_trl(**engine_kwargs) -> None:
     the arguments TRL passes when it builds an engine. Raises `ImportError` when TRL is missing
     and `RuntimeError` for a TRL release whose vLLM code path this patch cannot drive.
     """
-    _ENGINE_KWARGS.clear()
-    _ENGINE_KWARGS.update(engine_kwargs)
     try:
         import trl
     except ImportError as exc:
@@ -60,6 +56,7 @@ def patch_trl(**engine_kwargs) -> None:
     vg = _vllm_generation_module(version)
     cls = vg.VLLMGeneration
     if getattr(cls, _PATCH_MARK, False):
+        vg.LLM = EngineFactory(engine_kwargs)
         return
     _check_structure(vg, cls, version)
     if not any(version.startswith(v + ".") or version == v for v in TESTED_TRL_VERSIONS):
@@ -78,7 +75,7 @@ def patch_trl(**engine_kwargs) -> None:
     _ORIGINALS["sync_weights"] = cls.sync_weights
 
     vg.is_vllm_available = _vllm_available
-    vg.LLM = _trl_llm
+    vg.LLM = EngineFactory(engine_kwargs)
     vg.SamplingParams = SamplingParams
     vg.RequestOutput = RequestOutput
     vg.StructuredOutputsParams = fsp.StructuredOutputsParams  # constructing works; using one raises
@@ -166,8 +163,6 @@ def _init_vllm(self) -> None:
         raise NotImplementedError(
             f"flexrollout cannot run over {sharded}-sharded parameters (each rank holds a slice "
             f"of every weight); use DDP or DeepSpeed ZeRO-1/2, or vllm_mode='server' with vLLM")
-    if self.enable_sleep_mode:
-        _check_sleep_support(type(self))
     token = _BUILDING.set(self)
     try:
         _ORIGINALS["_init_vllm"](self)
@@ -175,23 +170,29 @@ def _init_vllm(self) -> None:
         _BUILDING.reset(token)
 
 
-def _trl_llm(model=None, tokenizer=None, **kwargs):
-    """Stands in for `vllm.LLM` inside TRL's vllm_generation module.
+class EngineFactory:
+    """Stands in for `vllm.LLM` inside TRL's vllm_generation module; `patch_trl` installs one.
 
     TRL passes `model=model.name_or_path`; while a `VLLMGeneration` is initialising, the engine
-    is built over that trainer's unwrapped model and its tokenizer instead.
+    is built over that trainer's unwrapped model and its tokenizer instead. `engine_kwargs` (the
+    patch_trl call's) are added to, and override, what TRL passes.
     """
-    from flexrollout.llm import LLM
 
-    gen = _BUILDING.get()
-    kwargs.update(_ENGINE_KWARGS)
-    if gen is None:
-        return LLM(model, tokenizer=tokenizer, **kwargs)
-    target = _rollout_model(gen)
-    tok = _tokenizer_of(gen.processing_class)
-    logger.info("building the flexrollout engine over the trainer's %s (not loading %r again)",
-                type(target).__name__, model)
-    return LLM(target, tokenizer=tok, **kwargs)
+    def __init__(self, engine_kwargs: dict) -> None:
+        self.engine_kwargs = dict(engine_kwargs)
+
+    def __call__(self, model=None, tokenizer=None, **kwargs):
+        from flexrollout.llm import LLM
+
+        kwargs.update(self.engine_kwargs)
+        gen = _BUILDING.get()
+        if gen is None:
+            return LLM(model, tokenizer=tokenizer, **kwargs)
+        target = _rollout_model(gen)
+        tok = _tokenizer_of(gen.processing_class)
+        logger.info("building the flexrollout engine over the trainer's %s (not loading %r again)",
+                    type(target).__name__, model)
+        return LLM(target, tokenizer=tok, **kwargs)
 
 
 def _sync_weights(self) -> None:
@@ -201,31 +202,12 @@ def _sync_weights(self) -> None:
         return _ORIGINALS["sync_weights"](self)
     if self.enable_sleep_mode:
         # TRL's order: wake the weights before a (here empty) push. Shared weights never left.
-        if hasattr(llm, "wake_up"):
-            llm.wake_up(tags=["weights"])
+        llm.wake_up(tags=["weights"])
         self._llm_weights_sleeping = False
-    if hasattr(llm, "reset_prefix_cache"):
-        llm.reset_prefix_cache()
+    llm.reset_prefix_cache()
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def _check_sleep_support(cls) -> None:
-    """`vllm_enable_sleep_mode=True` makes TRL call these on the engine directly."""
-    from flexrollout.llm import LLM
-
-    needed = ["sleep", "wake_up"]
-    try:
-        if "collective_rpc" in inspect.getsource(cls.generate):  # TRL 1.1 - 1.8: reload_weights
-            needed.append("collective_rpc")
-    except (OSError, TypeError):
-        needed.append("collective_rpc")
-    missing = [name for name in needed if not callable(getattr(LLM, name, None))]
-    if missing:
-        raise NotImplementedError(
-            f"vllm_enable_sleep_mode=True needs LLM.{', LLM.'.join(missing)}, which this "
-            f"flexrollout version lacks; set vllm_enable_sleep_mode=False")
-
-
 def _tokenizer_of(processing_class):
     """A multimodal processor's tokenizer, or the tokenizer itself."""
     from transformers import PreTrainedTokenizerBase

@@ -36,7 +36,6 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import inspect
-import itertools
 import logging
 import os
 import sys
@@ -56,7 +55,6 @@ _IGNORED_ARGS = ("max_loras", "use_async", "use_engine", "compilation_config", "
                  "max_logprobs", "return_args", "training")
 # Loads that would hand the engine quantized weights, which it cannot run yet.
 _QUANTIZED_OPTIONS = ("load_in_4bit", "load_in_8bit", "load_in_fp8")
-_live_ids = itertools.count(1 << 30)
 
 
 # -- installation ----------------------------------------------------------------------------
@@ -390,7 +388,7 @@ def load_lora(model, save_directory: str, load_tensors: bool = False, lora_reque
     """
     lora_id = _positive_int("lora_request_id", lora_request_id)
     if load_tensors and _has_lora_layers(model):
-        lora_id = lora_id or next(_live_ids)
+        lora_id = lora_id or lora_helpers.fresh_lora_id()
         name = f"{os.path.basename(os.path.normpath(str(save_directory)))}_{lora_id}"
         return LiveLoRARequest(name, lora_id, lora_tensors=_live_lora_tensors(model),
                                lora_config=_adapter_config(model))

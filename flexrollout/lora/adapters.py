@@ -9,6 +9,7 @@ before any work: a missing or malformed adapter is a clear error, never a silent
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -55,6 +56,22 @@ def _config_dict(config) -> dict:
     return vars(config)
 
 
+def _parsed_config(cfg: dict, where: str) -> dict:
+    """The adapter config as PEFT reads it (its defaults, e.g. lora_alpha=8 when absent, and its
+    checks) when peft is installed; the raw dict otherwise. Keys this PEFT does not know (a newer
+    release's) are left out rather than refused."""
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        return cfg
+    known = {f.name for f in dataclasses.fields(LoraConfig)}
+    try:
+        config = LoraConfig(**{k: v for k, v in cfg.items() if k in known})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: the adapter config is not a valid LoRA config: {err}") from None
+    return config.to_dict()
+
+
 def _scaling(cfg: dict, module: str) -> tuple[int, float]:
     rank = int((cfg.get("rank_pattern") or {}).get(module, cfg.get("r", 8)))
     alpha = float((cfg.get("alpha_pattern") or {}).get(module, cfg.get("lora_alpha", rank)))
@@ -72,13 +89,15 @@ def _check_config(cfg: dict, where: str) -> None:
         raise NotImplementedError(f"{where}: peft_type {cfg.get('peft_type')!r} is not LoRA")
 
 
-def _read_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_adapter_dir(path: str, param: str = "lora_path") -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter config, tensors) of a saved PEFT adapter directory (safetensors only); errors name
+    `param`, the caller's argument that holds `path`."""
     config_file = os.path.join(path, "adapter_config.json")
     weights_file = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isdir(path):
-        raise ValueError(f"lora_path {path!r} is not a directory")
+        raise ValueError(f"{param} {path!r} is not a directory")
     if not os.path.isfile(config_file) or not os.path.isfile(weights_file):
-        raise ValueError(f"lora_path {path!r} needs adapter_config.json and adapter_model.safetensors "
+        raise ValueError(f"{param} {path!r} needs adapter_config.json and adapter_model.safetensors "
                          f"(pickled .bin adapters are never loaded)")
     from safetensors.torch import load_file
 
@@ -86,7 +105,7 @@ def _read_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
         try:
             cfg = json.load(f)
         except json.JSONDecodeError as err:
-            raise ValueError(f"lora_path {path!r}: adapter_config.json is not valid JSON: {err}") from None
+            raise ValueError(f"{param} {path!r}: adapter_config.json is not valid JSON: {err}") from None
     return cfg, load_file(weights_file)
 
 
@@ -129,8 +148,9 @@ def load_adapter(request: LoRARequest, num_layers: int, targets: Targets,
     if request.lora_tensors is not None:
         cfg, tensors = _config_dict(request.lora_config), request.lora_tensors
     else:
-        cfg, tensors = _read_dir(request.lora_path)
+        cfg, tensors = read_adapter_dir(request.lora_path)
     _check_config(cfg, where)
+    cfg = _parsed_config(cfg, where)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         layer, name, which = _target_of(key, cfg, targets, num_layers, where)
