@@ -303,7 +303,6 @@ def test_trl_grpo_lora_on_the_multimodal_wrapper(tmp_path, monkeypatch):
 
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)      # TRL's colocate init sets them; restored after
-    monkeypatch.setattr(fr_trl, "_ENGINE_KWARGS", {})
     fr_trl.patch_trl(num_kv_pages=40)
     model, tok = make_tiny_gemma4("wrapper")
     args = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, seed=0,
