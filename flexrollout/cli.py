@@ -60,10 +60,11 @@ def build_llm(args, device: str):
     import torch
 
     from . import LLM
+    from .config import resolve_dtype
 
     model, gguf_file = (args.model, args.gguf_file) if args.model else default_model()
-    dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}[args.dtype]
+    # "auto" keeps the checkpoint's dtype (from_pretrained's meaning); else LLM's own dtype names
+    dtype = "auto" if args.dtype == "auto" else resolve_dtype(args.dtype, torch.float32)
     cache_dir = None if args.no_cache else Path(args.cache_dir)
     hf, tokenizer = load_hf(model, gguf_file, dtype, device, cache_dir)
     return LLM(hf, tokenizer=tokenizer, max_model_len=args.max_model_len, seed=args.seed or 0)
