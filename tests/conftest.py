@@ -112,6 +112,24 @@ def make_tiny_tokenizer(vocab_size: int = TINY_VOCAB, eos_token_id: int = TINY_E
     return tok
 
 
+def _from_config(config, seed: int):
+    """(fp32 model built from `config` under `seed`, a generator for re-drawing its weights)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model, torch.Generator().manual_seed(seed + 1)
+
+
+def randomize_lora(peft_model, seed: int, std: float = 0.3) -> None:
+    """Re-draw every LoRA tensor of `peft_model` (PEFT starts B at 0), so the adapters matter."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(std * torch.randn(param.shape, generator=gen))
+
+
 def make_tiny_model(
     arch: str = "llama",
     *,
@@ -134,7 +152,7 @@ def make_tiny_model(
     norm weight, applies it as ``1 + w``, drops a bias or ignores rope scaling gives different tokens.
     A non-power-of-two GQA layout needs a hidden size divisible by the head count (LlamaConfig checks it).
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -172,9 +190,7 @@ def make_tiny_model(
     else:
         raise ValueError(arch)
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
+    model, gen = _from_config(config, seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".layers." in name and name.endswith("proj.weight"):
@@ -213,7 +229,7 @@ def make_tiny_moe(arch: str, *, layers: int = 3, seed: int = 0, vocab_size: int 
     re-drawn as in ``make_tiny_model`` (sharp q/k, norms 1 + 0.1 N(0, 1)); gpt-oss's sinks are
     N(0, 1) so they matter, and routers are scaled up so that routing decisions change tokens.
     """
-    from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3MoeConfig
+    from transformers import GptOssConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1,
@@ -227,9 +243,7 @@ def make_tiny_moe(arch: str, *, layers: int = 3, seed: int = 0, vocab_size: int 
                               sliding_window=6, rms_norm_eps=1e-5, **{**common, **overrides})
     else:
         raise ValueError(arch)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
+    model, gen = _from_config(config, seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".layers." not in name:

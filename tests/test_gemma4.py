@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_EOS, TINY_VOCAB, make_tiny_tokenizer, tiny_llm
+from conftest import TINY_EOS, TINY_VOCAB, make_tiny_tokenizer, randomize_lora, tiny_llm
 from flexrollout import SamplingParams
 
 VARIANTS = ["dense", "e2b", "moe", "wrapper"]
@@ -239,11 +239,7 @@ def _peft_gemma4(variant: str, seed: int = 2):
                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                         "down_proj"])
     pm = get_peft_model(model, config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in pm.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+    randomize_lora(pm, seed)
     return pm, tok
 
 

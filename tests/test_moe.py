@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_moe, tiny_llm
+from conftest import make_tiny_moe, randomize_lora, tiny_llm
 
 from flexrollout import LLM, LoRARequest, SamplingParams
 
@@ -105,11 +105,7 @@ def _peft_moe(arch: str, seed: int = 2):
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
                         target_parameters=EXPERT_PARAMS, init_lora_weights=False)
     pm = get_peft_model(model, config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in pm.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+    randomize_lora(pm, seed)
     return pm, tok
 
 

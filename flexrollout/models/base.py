@@ -29,7 +29,9 @@ from ..compile import compiled
 from ..kernels import small_linear as gemv
 from ..layers.linear import Kernels, Linear, gemv_ready, linear, read_linear
 from ..layers.moe import ExpertLora
+from ..layers.norm import LLAMA, rms_norm
 from ..layers.quant import logical_shape
+from ..layers.rope import tables_from_rotary
 from ..lora.adapters import Targets
 from ..lora.live import is_lora_layer
 from ..spec import ATTENTION, LayerSpec, ModelSpec
@@ -137,15 +139,20 @@ class DecoderForward:
     def post_args(self, index: int, step: Step) -> tuple:
         raise NotImplementedError
 
+    # The defaults of these three read the usual HF decoder body: `self.body` with embed_tokens,
+    # rotary_emb and norm, RMS-normed in `self.NORM`'s style with `self.eps`.
+    NORM = LLAMA
+
     def rope_tables(self, max_len: int) -> dict:
         """rope key -> (cos, sin) tables over every position."""
-        raise NotImplementedError
+        device = self.body.embed_tokens.weight.device
+        return {"default": tables_from_rotary(self.body.rotary_emb, device, max_len, self.dtype)}
 
     def embed(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
-        raise NotImplementedError
+        return embedding(input_ids, self.body.embed_tokens.weight, self.dtype)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        return rms_norm(hidden, self.body.norm.weight, self.eps, self.NORM)
 
     def lm_head(self) -> torch.nn.Module:
         return self.hf.lm_head

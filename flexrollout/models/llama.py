@@ -12,9 +12,8 @@ from ..layers.attention import attention_inputs
 from ..layers.linear import Kernels, Linear, linear
 from ..layers.mlp import activation, gated_mlp
 from ..layers.norm import LLAMA, rms_norm
-from ..layers.rope import tables_from_rotary
 from ..spec import LayerSpec, ModelSpec
-from .base import DecoderForward, LayerFns, Step, embedding
+from .base import DecoderForward, LayerFns, Step
 
 
 def attention_out_mlp(attn: torch.Tensor, residual: torch.Tensor, o: Linear, ln_w: torch.Tensor,
@@ -98,12 +97,3 @@ class LlamaForward(DecoderForward):
     def rope_key(self, index: int) -> str:
         return "default"
 
-    def rope_tables(self, max_len: int) -> dict:
-        device = self.body.embed_tokens.weight.device
-        return {"default": tables_from_rotary(self.body.rotary_emb, device, max_len, self.dtype)}
-
-    def embed(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
-        return embedding(input_ids, self.body.embed_tokens.weight, self.dtype)
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden, self.body.norm.weight, self.eps, self.NORM)

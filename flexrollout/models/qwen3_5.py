@@ -27,9 +27,9 @@ from ..layers.linear import Kernels, Linear, finish_group, linear, project_group
 from ..layers.mlp import activation, gated_mlp
 from ..layers.moe import Experts, experts_forward, read_experts, route_softmax_topk
 from ..layers.norm import LLAMA, OFFSET, rms_norm
-from ..layers.rope import apply_rope, tables_from_rotary
+from ..layers.rope import apply_rope
 from ..spec import ATTENTION, LINEAR, LayerSpec, ModelSpec, StateSpec
-from .base import DecoderForward, LayerFns, Step, embedding
+from .base import DecoderForward, LayerFns, Step
 from .llama import attention_out_mlp
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -97,6 +97,7 @@ def out_shared_moe(attn: torch.Tensor, residual: torch.Tensor, o: Linear, ln_w: 
 # -- the architecture -----------------------------------------------------------------------------
 class Qwen3_5Forward(DecoderForward):
     LORA_TARGETS = ATTENTION_PROJECTIONS + LINEAR_PROJECTIONS + MLP_PROJECTIONS
+    NORM = OFFSET
 
     def __init__(self, hf_model: torch.nn.Module, dtype: torch.dtype, merged=None,
                  linear_backend: str = "auto") -> None:
@@ -189,15 +190,6 @@ class Qwen3_5Forward(DecoderForward):
         return (out, norm, lin(index, "gate_proj", step), lin(index, "up_proj", step),
                 lin(index, "down_proj", step), self.act, self.eps, OFFSET, step.kernels)
 
-    def rope_tables(self, max_len: int) -> dict:
-        device = self.body.embed_tokens.weight.device
-        return {"default": tables_from_rotary(self.body.rotary_emb, device, max_len, self.dtype)}
-
-    def embed(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
-        return embedding(input_ids, self.body.embed_tokens.weight, self.dtype)
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden, self.body.norm.weight, self.eps, OFFSET)
 
     # -- token mixers ------------------------------------------------------------------------
     def mix(self, index: int, spec: LayerSpec, mixer_in, step: Step) -> torch.Tensor:
