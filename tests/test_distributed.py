@@ -1,9 +1,10 @@
 """Data-parallel rollouts: N processes (torchrun), one engine per rank over its own model replica,
 each generating its own shard of the prompts, as TRL's colocate mode runs them under accelerate.
 
-CPU only here: two ranks on a gloo process group. Each rank's greedy and seeded-sampling outputs,
-gathered over the group, must equal a single-process engine over the same prompts, and HF's
-greedy tokens.
+CPU only here: two processes on a gloo process group (a FileStore rendezvous, as torchrun would
+set up with a TCP store; the file needs no port and no store thread). Each rank's greedy and
+seeded-sampling outputs, gathered over the group, must equal a single-process engine over the
+same prompts, and HF's greedy tokens.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ _RANK = textwrap.dedent("""
     from conftest import make_tiny_model
     from flexrollout import LLM, SamplingParams
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method="file://" + {store!r}, rank=rank, world_size=world)
     model, tok = make_tiny_model("llama", seed=3)           # every rank: the same replica
     llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=4)
     prompts = {prompts!r}
@@ -52,6 +53,7 @@ _RANK = textwrap.dedent("""
                 merged[name].update(by_index)
         with open({out!r}, "w") as f:
             json.dump(merged, f)
+    dist.barrier()                        # both ranks are done before either leaves the group
     dist.destroy_process_group()
 """)
 
@@ -67,12 +69,19 @@ def _single_process(params: dict) -> list[list[int]]:
 def test_two_gloo_ranks_generate_their_shards_like_one_process(tmp_path, hf_greedy):
     out = tmp_path / "gathered.json"
     script = tmp_path / "rank.py"
-    script.write_text(_RANK.format(tests=TESTS, prompts=PROMPTS, greedy=GREEDY, sampled=SAMPLED, out=str(out)))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", "29517", str(script)],
-                          env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    script.write_text(_RANK.format(tests=TESTS, prompts=PROMPTS, greedy=GREEDY, sampled=SAMPLED, out=str(out),
+                                   store=str(tmp_path / "store")))
+    ranks = [subprocess.Popen([sys.executable, str(script)],
+                              env=dict(os.environ, RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    try:
+        for rank, proc in enumerate(ranks):
+            _, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, f"rank {rank}: {stderr[-3000:]}"
+    finally:
+        for proc in ranks:                # a rank left waiting on a dead peer
+            proc.kill()
     gathered = json.loads(out.read_text())
     for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
         by_index = {int(i): tokens for i, tokens in gathered[name].items()}
