@@ -110,9 +110,10 @@ class LLMEngine:
         self.page_size = config.page_size or (128 if device.type == "cuda" else 16)
         self.max_batched_tokens = config.max_num_batched_tokens or (
             8192 if device.type == "cuda" else 2048)
+        self.num_slots = config.max_num_seqs + 1       # batch slots, the padding slot 0 included
         num_pages = self._num_pages(dtype)
         self.cache = KVCache(self.spec.layers, num_pages, self.page_size, dtype, device,
-                             num_slots=config.max_num_seqs + 1)
+                             num_slots=self.num_slots)
         max_pages_per_seq = -(-max_model_len // self.page_size)
         self.pages = PageTable(num_pages, self.page_size, config.max_num_seqs, max_pages_per_seq, device)
         self.scheduler = Scheduler(self.pages, config.max_num_seqs, self.max_batched_tokens)
@@ -133,7 +134,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._pending: PendingDecode | None = None
         page_bytes = KVCache.bytes_per_page(self.spec.layers, self.page_size, dtype)
-        self.cache_bytes = num_pages * page_bytes + KVCache.state_bytes(self.spec.layers, self.cache.num_slots)
+        self.cache_bytes = num_pages * page_bytes + KVCache.state_bytes(self.spec.layers, self.num_slots)
         owning = sum(s.owns_kv for s in self.spec.layers)
         logger.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB (%d KiB per token; %d of "
                     "%d layers hold KV)", num_pages - 1, self.page_size,
@@ -155,7 +156,7 @@ class LLMEngine:
             own = int(total * cfg.gpu_memory_utilization) - self.owned_weight_bytes
             # Activations, logits and graph pools need room beyond the cache.
             margin = 2 * 2**30 + cfg.max_num_seqs * self.spec.vocab_size * 4 * 4
-            budget = min(own, free) - margin - KVCache.state_bytes(self.spec.layers, cfg.max_num_seqs + 1)
+            budget = min(own, free) - margin - KVCache.state_bytes(self.spec.layers, self.num_slots)
             pages = budget // page_bytes
             if pages < 2:
                 raise ValueError(

@@ -26,7 +26,7 @@ BLOCK_K = 128
 
 
 def supported(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """CUDA, one dtype, and input widths the K loop steps through without a remainder."""
+    """CUDA and one 16/32-bit dtype for activations and both stacks (the K loop masks any width)."""
     return (h.is_cuda and h.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and gate_up.dtype == h.dtype and down.dtype == h.dtype)
 
@@ -116,6 +116,8 @@ def _block_n(rows: int, n: int) -> int:
 
 def _launch(x, rows_per_input: int, ids, stack, bias, scale, out, n: int, k: int, strides,
             up_offset: int, interleaved: bool, act: int, limit: float, alpha: float) -> torch.Tensor:
+    import triton
+
     rows = ids.shape[0]
     block_n = _block_n(rows, n)
     stride_we, stride_wn, stride_wk = strides
@@ -125,13 +127,9 @@ def _launch(x, rows_per_input: int, ids, stack, bias, scale, out, n: int, k: int
         rows, rows_per_input, k, n, x.stride(0), stride_we, stride_wn, stride_wk,
         bias.stride(0) if bias is not None else 0, out.stride(0), up_offset, limit, alpha,
         ACT=act, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, INTERLEAVED=interleaved,
-        IEEE=wide, BLOCK_S=max(16, triton_next_pow2(rows)), BLOCK_N=block_n,
+        IEEE=wide, BLOCK_S=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n,
         BLOCK_K=64 if wide else BLOCK_K, num_warps=4, num_stages=2 if wide else 3)
     return out
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def experts_small(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,

@@ -130,13 +130,9 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     if down_lora_a is not None:
         out = out + _grouped_lora(act_out, down_lora_a, down_lora_b, down_scaling, groups)
     out = out * weights.reshape(-1)[order, None].to(out.dtype)
-    return _unsort_and_sum(out, order, tokens, top_k, h.dtype)
-
-
-def _unsort_and_sum(out: torch.Tensor, order: torch.Tensor, tokens: int, top_k: int, dtype) -> torch.Tensor:
-    """Sorted weighted rows back to (token, choice) order; each token's k outputs summed."""
+    # Back to (token, choice) order; the k outputs of a token sum.
     unsorted = torch.empty_like(out).index_copy_(0, order, out)
-    return unsorted.view(tokens, top_k, -1).sum(dim=1).to(dtype)
+    return unsorted.view(tokens, top_k, -1).sum(dim=1).to(h.dtype)
 
 
 @moe_experts.register_fake
