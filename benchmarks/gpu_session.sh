@@ -20,6 +20,8 @@
 #   moe_tests : every GPU test
 #   moe   : Qwen3-30B-A3B and gpt-oss-20b decode 1 / 8 / 64 + GRPO against the MoE roofline and HF
 #   final : Qwen3-4B decode at 1 / 8 / 64 + GRPO, then the GPU parity and kernel tests
+#   hybrid : (carry .whl with fla + bitsandbytes) the Gemma-4 / Qwen3.5 / 4-bit GPU tests, Qwen3-4B decode
+#            1 / 8 / 64 + GRPO (regression check), Gemma-4-E2B and Qwen3.5-4B decode 1 / 8 / 64
 #   unsloth : benchmarks/unsloth_grpo.py (carry .whl-unsloth, made by benchmarks/unsloth_wheels.sh)
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
@@ -138,6 +140,15 @@ moe)
       --gpu-memory-utilization 0.55 --json "$out/$preset.json" | tail -8 > "$out/$preset.txt"
   done
   names="gpu qwen3-30b-a3b gpt-oss-20b" ;;
+hybrid)
+  timeout 240 python3 -m pytest -q -m gpu tests/test_gemma4.py tests/test_qwen35.py tests/test_quant4bit.py \
+    2>&1 | filter | tail -14 > "$out/tests.txt"
+  bench 150 --preset qwen3-4b --batch-sizes 1,8,64 --workload decode,grpo --json "$out/qwen3-4b.json" \
+    | tail -5 > "$out/qwen3-4b.txt"
+  for preset in gemma-4-e2b qwen3.5-4b; do
+    bench 90 --preset $preset --batch-sizes 1,8,64 --workload decode --json "$out/$preset.json" | tail -5 > "$out/$preset.txt"
+  done
+  names="gpu tests qwen3-4b gemma-4-e2b qwen3.5-4b" ;;
 lora32)
   lora32
   names="gpu lora32" ;;

@@ -176,3 +176,12 @@ def test_bad_mlp_chunk_tokens(tiny_llama, chunk, error):
     model, tok = tiny_llama()
     with pytest.raises(error, match="mlp_chunk_tokens"):
         LLM(model, tokenizer=tok, max_model_len=64, mlp_chunk_tokens=chunk)
+
+
+def test_num_kv_pages_past_int32_indexing_is_refused(tiny_llama):
+    """A cache whose K/V tensor would pass 2^31 elements is refused before anything is allocated."""
+    model, tok = tiny_llama()
+    widest = max(model.config.num_key_value_heads * model.config.head_dim, 1)
+    too_many = 2**31 // (widest * 16) + 1
+    with pytest.raises(ValueError, match="num_kv_pages"):
+        LLM(model, tokenizer=tok, max_model_len=64, page_size=16, num_kv_pages=too_many)

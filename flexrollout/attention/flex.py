@@ -73,7 +73,7 @@ class AttentionMetadata:
 
 
 def decode_kernel_options(opts: dict | None, batch: int, num_kv_heads: int, max_pages: int,
-                          device: torch.device, head_dim: int = 128) -> dict:
+                          device: torch.device, head_bytes: int = 256) -> dict:
     """flex decode's options, where the caller's (EngineConfig.flex_kernel_options) leave them.
 
     SPLIT_KV is capped at the pages one sequence can hold: flex splits each row's KV into
@@ -85,16 +85,17 @@ def decode_kernel_options(opts: dict | None, batch: int, num_kv_heads: int, max_
     num_stages: flex's default on an H200 is one (no prefetch of the next KV block). Three cut
     a Qwen3-4B layer's decode attention at context 256 from 7.5 to 6.8 us at batch 1 and from
     16.1 to 13.6 us at batch 8; at batch 64, where the split is already 1, two are best
-    (25.8 -> 25.0 us). Measured with benchmarks/attention_sweep.py on an H200. Heads wider than
-    256 (Gemma-4's full layers, 512) keep flex's one stage: one stage's K and V blocks of 64 keys
-    take 128 KB in bf16, so three could not fit an SM's shared memory (not yet measured).
+    (25.8 -> 25.0 us). Measured with benchmarks/attention_sweep.py on an H200. Heads of more than
+    512 bytes (Gemma-4's full layers, 512 x bf16; Qwen3.5's 256 x fp32) keep flex's one stage:
+    three stages of their K and V blocks need 276 KB of shared memory, over the H200's 227 KB
+    (Inductor's "out of resource" at Qwen3.5's fp32 decode, seen on the H200).
     """
     opts = dict(opts or {})
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = max(batch * num_kv_heads, 1)
     if "SPLIT_KV" not in opts:
         opts["SPLIT_KV"] = max(1, min(sms // programs * 2, max_pages))
-    if head_dim > 256:
+    if head_bytes > 512:
         opts.setdefault("num_stages", 1)
     opts.setdefault("num_stages", 3 if programs <= 2 * sms else 2)
     return opts
@@ -122,7 +123,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q4 = q.view(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
         if q.is_cuda:
             opts = decode_kernel_options(opts, tokens, num_kv_heads, block_mask.kv_indices.shape[-1],
-                                         q.device, head_dim)
+                                         q.device, head_dim * q.element_size())
         out = flex(q4, k_cache, v_cache, block_mask=block_mask, scale=spec.attention_scale,
                    kernel_options=opts, return_lse=lse_wanted)
     else:

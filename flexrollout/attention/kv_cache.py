@@ -88,6 +88,16 @@ class KVCache:
         return sum(2 * s.num_kv_heads * s.head_dim for s in layers if s.owns_kv) * elem
 
     @staticmethod
+    def max_pages(layers: list[LayerSpec], page_size: int) -> int:
+        """The most pages (padding page included) that keep every K/V tensor under 2^31 elements.
+
+        Past that, Inductor indexes flex decode in int64, and torch 2.11's decode template then
+        fails to compile (a ternary of int64 and int32 block counts; seen on the H200 with
+        Qwen3.5-4B's 3.3M-token default cache). Our Triton kernels index in int32 too."""
+        widest = max((s.num_kv_heads * s.head_dim for s in layers if s.owns_kv), default=1)
+        return (2**31 - 1) // (widest * page_size)
+
+    @staticmethod
     def bytes_per_page(layers: list[LayerSpec], page_size: int, dtype: torch.dtype) -> int:
         return KVCache.bytes_per_token(layers, dtype) * page_size
 

@@ -145,7 +145,11 @@ class LLMEngine:
     def _num_pages(self, dtype: torch.dtype) -> int:
         """Pages in the cache, page 0 (padding) included."""
         cfg = self.config
+        cap = KVCache.max_pages(self.spec.layers, self.page_size)
         if cfg.num_kv_pages is not None:
+            if cfg.num_kv_pages + 1 > cap:
+                raise ValueError(f"num_kv_pages={cfg.num_kv_pages} is more than this model's K/V tensors "
+                                 f"can index (at most {cap - 1} pages of {self.page_size} tokens)")
             return cfg.num_kv_pages + 1
         page_bytes = KVCache.bytes_per_page(self.spec.layers, self.page_size, dtype)
         if self.device.type == "cuda":
@@ -162,7 +166,10 @@ class LLMEngine:
                 raise ValueError(
                     f"no GPU memory left for the KV cache at gpu_memory_utilization="
                     f"{cfg.gpu_memory_utilization}; raise it or set num_kv_pages")
-            return int(pages) + 1
+            if pages + 1 > cap:
+                logger.info("KV cache capped at %d pages (of %d that fit): one layer's K/V tensor "
+                            "stays under 2^31 elements", cap - 1, pages)
+            return int(min(pages + 1, cap))
         tokens = min(self.max_model_len * min(cfg.max_num_seqs, 8), cfg.cpu_kv_cache_tokens)
         return max(-(-tokens // self.page_size), -(-self.max_model_len // self.page_size)) + 1
 
