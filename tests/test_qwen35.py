@@ -286,6 +286,41 @@ def test_lora_on_linear_attention_matches_peft(arch, mode, hf_greedy):
     assert _max_error(_prompt_logprobs(llm, prompt), _reference_logprobs(pm, prompt)) < LP_TOL
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_trl_grpo_lora_on_linear_attention(tmp_path, monkeypatch, arch):
+    """TRL's GRPOTrainer (colocate) with LoRA on GatedDeltaNet and gated-attention projections: the
+    engine runs over the trainer's own model, training moves the adapters and leaves the base
+    weights bit-identical, nothing is pushed, and the engine's logprobs agree with TRL's forward."""
+    pytest.importorskip("trl")
+    from peft import LoraConfig
+    from test_trl import _check_logp_difference, _config, _snapshot, _tiny_dataset, _train, reward_len
+    from trl import GRPOTrainer
+
+    import flexrollout
+    from flexrollout.integrations.trl import patch_trl
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)      # TRL's colocate init sets them; restored after
+    patch_trl(num_kv_pages=40)
+    model, tok = make_tiny_qwen35(arch, seed=4)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "in_proj_qkv", "in_proj_z", "out_proj", "down_proj"])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_len, processing_class=tok,
+                          args=_config(tmp_path, learning_rate=2e-2), train_dataset=_tiny_dataset(4),
+                          peft_config=lora)
+    llm = trainer.vllm_generation.llm
+    assert isinstance(llm, flexrollout.LLM) and llm.model is trainer.model
+    lora_before = _snapshot(trainer.model, lambda n, p: "lora_B" in n and "linear_attn" in n)
+    base_before = _snapshot(trainer.model, lambda n, p: "lora_" not in n)
+    gen_calls, load_calls = _train(trainer, monkeypatch)
+    assert trainer.state.global_step == 2 and gen_calls.count >= 2 and load_calls.count == 0
+    after = dict(trainer.model.named_parameters())
+    assert any(not torch.equal(p, after[n].detach()) for n, p in lora_before.items()), \
+        "no GatedDeltaNet adapter moved"
+    assert all(torch.equal(p, after[n].detach()) for n, p in base_before.items())
+    _check_logp_difference(trainer)
+
+
 def test_lora_request_on_linear_attention_matches_peft(tmp_path):
     """A saved adapter that adapts GatedDeltaNet projections, given by LoRARequest over the base
     model, equals PEFT's model loaded from that directory; rows without it run the base."""
