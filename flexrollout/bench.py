@@ -245,6 +245,7 @@ DEVICE_DEFAULTS = {
     "cpu": dict(model="embedded", dtype="float32", batch_sizes="1,8", prompt_len=32, max_tokens=64),
 }
 GRPO_MAX_TOKENS = 512
+GRPO_PROMPT_LEN = 256
 
 
 def resolve_defaults(args) -> str:
@@ -261,6 +262,14 @@ def resolve_defaults(args) -> str:
     if args.hf_max_tokens is None:
         args.hf_max_tokens = 64 if device.startswith("cuda") else args.max_tokens
     return device
+
+
+def model_length(args) -> int:
+    """max_model_len for the run: room for the decode rows and for the GRPO shape's 256-token
+    prompts plus all their tokens (until 2026-12-04 the GRPO shape stopped at the model length,
+    400 tokens into its 512)."""
+    grpo_len = GRPO_PROMPT_LEN + args.grpo_max_tokens if "grpo" in args.workload else 0
+    return max(args.prompt_len + max(args.max_tokens, 512), grpo_len) + 16
 
 
 def _load_model(args, dtype: torch.dtype, device: str, model_len: int):
@@ -294,8 +303,7 @@ def bench(args) -> dict:
         # Far beyond any CPU cache, small enough for a laptop's memory.
         result["bandwidth_GBs"] = measure_bandwidth(device, gib=0.5) / 1e9
     grpo_tokens = args.grpo_max_tokens
-    model_len = args.prompt_len + max(args.max_tokens, grpo_tokens if "grpo" in args.workload else 0,
-                                      512) + 16
+    model_len = model_length(args)
     t0 = time.perf_counter()
     model, tokenizer, result["name"] = _load_model(args, dtype, device, model_len)
     if args.lora_rank:
@@ -358,7 +366,7 @@ def bench(args) -> dict:
     if "grpo" in workloads:
         progress.set_description("GRPO shape")
         params = SamplingParams(n=8, temperature=1.0, max_tokens=grpo_tokens, logprobs=0, seed=None)
-        prompts = _prompts(8, 256, vocab, 3)
+        prompts = _prompts(8, GRPO_PROMPT_LEN, vocab, 3)
         llm.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=8, logprobs=0), use_tqdm=False)
         runs = []
         for _ in range(args.repeat):

@@ -196,3 +196,20 @@ def test_gguf_conversion_is_cached(tmp_path, smollm2, monkeypatch):
     assert tokenizer(text).input_ids == reference_tokenizer(text).input_ids
     model_files.clear_cache(tmp_path)
     assert not tmp_path.exists()
+
+
+@pytest.mark.parametrize("workload, max_tokens", [("decode,grpo", None), ("grpo", 900), ("decode", 300)])
+def test_bench_model_length_fits_every_workload(workload, max_tokens):
+    """The GRPO shape's 256-token prompts get all their new tokens (it once stopped at 400 of 512);
+    the decode rows get prompt_len + max_tokens."""
+    import argparse
+
+    from flexrollout.bench import GRPO_PROMPT_LEN, model_length, resolve_defaults
+
+    args = argparse.Namespace(device="cuda", preset="qwen3-4b", model=None, dtype=None, batch_sizes=None,
+                              prompt_len=None, max_tokens=max_tokens, hf_max_tokens=None, workload=workload)
+    resolve_defaults(args)
+    length = model_length(args)
+    assert length >= args.prompt_len + args.max_tokens
+    if "grpo" in workload:
+        assert length >= GRPO_PROMPT_LEN + args.grpo_max_tokens
