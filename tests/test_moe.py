@@ -96,16 +96,16 @@ def test_groups_share_prefill_and_preemption_keeps_hf_tokens(arch, hf_greedy, en
 # --------------------------------------------------------------------------------------------- expert LoRA
 
 
-def _peft_moe(arch: str, seed: int = 2):
+def _peft_moe(arch: str, seed: int = 2, lora_seed: int | None = None):
     """A PEFT model adapting q/o projections and both expert stacks, adapters large enough to
-    move the logits well beyond the tolerance."""
+    move the logits well beyond the tolerance (drawn with `lora_seed`, default `seed`)."""
     from peft import LoraConfig, get_peft_model
 
     model, tok = make_tiny_moe(arch, seed=seed)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
                         target_parameters=EXPERT_PARAMS, init_lora_weights=False)
     pm = get_peft_model(model, config).eval()
-    randomize_lora(pm, seed)
+    randomize_lora(pm, seed if lora_seed is None else lora_seed)
     return pm, tok
 
 
@@ -166,18 +166,6 @@ def test_saved_expert_adapter_by_path_and_tensors(arch, tmp_path):
                                           _reference_prompt_logprobs(base, prompt))) < LP_TOL
 
 
-def _peft_moe_over(arch: str, base_seed: int, lora_seed: int):
-    """`_peft_moe` with its own adapter draw over the base of `base_seed`."""
-    from peft import LoraConfig, get_peft_model
-
-    model, tok = make_tiny_moe(arch, seed=base_seed)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
-                        target_parameters=EXPERT_PARAMS, init_lora_weights=False)
-    pm = get_peft_model(model, config).eval()
-    randomize_lora(pm, lora_seed)
-    return pm, tok
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_expert_lora_request_rows_replace_the_live_expert_adapter(arch, tmp_path):
     """One call over a PEFT MoE model: rows with a saved expert adapter equal PEFT loading it
@@ -186,10 +174,10 @@ def test_expert_lora_request_rows_replace_the_live_expert_adapter(arch, tmp_path
     before any work, and still serves calls without a request."""
     from peft import PeftModel
 
-    donor, _ = _peft_moe_over(arch, 5, 5)
+    donor, _ = _peft_moe(arch, 5)
     donor.save_pretrained(str(tmp_path / "saved"))
     saved = PeftModel.from_pretrained(make_tiny_moe(arch, seed=5)[0], str(tmp_path / "saved")).eval()
-    live, tok = _peft_moe_over(arch, 5, 13)
+    live, tok = _peft_moe(arch, 5, lora_seed=13)
     request = LoRARequest("saved", 1, str(tmp_path / "saved"))
     prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
     models = [saved, live, saved]
