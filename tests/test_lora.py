@@ -312,5 +312,6 @@ def test_base_model_rows_beside_live_rows():
     live = [_hf(pm, p) for p in PROMPTS[:2]]
     assert base != live
     llm = LLM(pm, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32)
-    got = _gen(llm, [PROMPTS[0], PROMPTS[0], PROMPTS[1]], lora_request=[BaseModelRequest(), None, BaseModelRequest()])
+    base_row = BaseModelRequest()
+    got = _gen(llm, [PROMPTS[0], PROMPTS[0], PROMPTS[1]], lora_request=[base_row, None, base_row])
     assert got == [base[0], live[0], base[1]]

@@ -15,8 +15,6 @@ adapter's delta under its row mask and the live adapter's under the mask of the 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from dataclasses import dataclass, replace
 
 import torch
@@ -104,9 +102,9 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
                 down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
                 transposed: bool, interleaved: bool, act: str, limit: float, alpha: float,
                 gu_lora_a: list[torch.Tensor], gu_lora_b: list[torch.Tensor], gu_scaling: list[float],
-                gu_mask: list[Optional[torch.Tensor]], down_lora_a: list[torch.Tensor],
+                gu_mask: list[torch.Tensor | None], down_lora_a: list[torch.Tensor],
                 down_lora_b: list[torch.Tensor], down_scaling: list[float],
-                down_mask: list[Optional[torch.Tensor]], small_rows: int) -> torch.Tensor:
+                down_mask: list[torch.Tensor | None], small_rows: int) -> torch.Tensor:
     tokens, top_k = ids.shape
     if (tokens * top_k <= min(small_rows, expert_gemv.MAX_ROWS) and len(gu_lora_a) == 0
             and len(down_lora_a) == 0 and expert_gemv.supported(h, gate_up, down)):
@@ -172,9 +170,9 @@ def _grouped(x: torch.Tensor, stack: torch.Tensor, groups: _Groups) -> torch.Ten
 def _grouped_lora(x, lora_a, lora_b, scaling: float, mask: torch.Tensor | None,
                   groups: _Groups) -> torch.Tensor:
     """scaling * B_e (A_e x) for rows grouped by expert, on the tokens `mask` (T, 1) selects when
-    given (applied to the rank-r intermediate, as `layers.linear` does). A_e = lora_a.reshape(E, r, in)[e] and
-    B_e = lora_b.reshape(out, r, E)[:, :, e] (PEFT's layout); the adapter is cast to x's dtype
-    (PEFT keeps it in fp32 over a 16-bit base). B's (E, r, out) stack is a copy of the adapter's
+    given (applied to the rank-r intermediate, as `layers.linear` does).
+    A_e = lora_a.reshape(E, r, in)[e] and B_e = lora_b.reshape(out, r, E)[:, :, e] (PEFT's
+    layout); the adapter is cast to x's dtype (PEFT keeps it in fp32 over a 16-bit base). B's (E, r, out) stack is a copy of the adapter's
     r * E * out elements: grouped_mm needs a unit stride in each expert's matrix."""
     num_experts = groups.num_experts
     a = lora_a.to(x.dtype).reshape(num_experts, -1, lora_a.shape[-1]).transpose(1, 2)   # (E, in, r)
