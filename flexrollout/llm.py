@@ -308,6 +308,14 @@ class LLM:
         for i, req in enumerate(requests):
             if req is not None and not isinstance(req, LoRARequest):
                 raise TypeError(f"lora_request[{i}] must be a LoRARequest or None, got {type(req).__name__}")
+        merged = self.llm_engine.forward.merged
+        if merged is not None and merged.expert_stacks and any(r is not None for r in requests):
+            # Linear projections read the unmerged base weight for such rows; stacked experts
+            # have no such path yet, and subtracting the merged delta would not be exact.
+            raise ValueError(
+                f"lora_request with lora_mode='merged' on a model whose expert stacks carry LoRA "
+                f"({merged.expert_stacks[0]}) is not supported: a request's rows must not see the "
+                f"merged live adapter. Use lora_mode='live'")
         return [None if req is None else self._registry().get(req) for req in requests]
 
     def _registry(self) -> AdapterRegistry:

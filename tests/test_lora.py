@@ -97,19 +97,6 @@ def test_lora_request_from_dir_and_mixed_batch(saved_adapter):
     assert llm.list_loras() == {1}
 
 
-def test_lora_request_replaces_the_live_adapter(saved_adapter):
-    """vLLM's rule on a PEFT model: a row's lora_request runs the base model plus that adapter
-    (not on top of the live one); rows without one run the model as the user holds it."""
-    _, tok, path, reference = saved_adapter
-    live, _ = _peft(seed=9)                        # same base weights, another live adapter
-    live_tokens = [_hf(live, p) for p in PROMPTS]
-    assert live_tokens != reference
-    llm = LLM(live, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32)
-    request = LoRARequest("saved", 1, path)
-    assert _gen(llm, lora_request=[request, None, request]) == [reference[0], live_tokens[1], reference[2]]
-    assert _gen(llm) == live_tokens
-
-
 def test_lora_request_in_memory_tensors(saved_adapter):
     base, tok, path, reference = saved_adapter
     llm = LLM(base, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32, enable_lora=True)
@@ -233,3 +220,98 @@ def test_fp32_adapter_over_bf16_base_matches_peft_within_bf16_rounding():
     err_peft = (theirs.double() - ref).abs().mean()
     assert err_ours <= 2 * err_peft, (err_ours, err_peft)
     assert (ref - base).abs().mean() > 20 * err_ours
+
+
+# -- vLLM's rule: a row's lora_request replaces the live adapters; rows without one run the model as held
+LP_TOL = 1e-4
+
+
+def _prompt_logprobs(llm, sequences, lora_request=None) -> list[list[float]]:
+    """The engine's teacher-forced logprob of every token after the first, per sequence."""
+    outs = llm.generate([{"prompt_token_ids": s} for s in sequences],
+                        SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
+                        use_tqdm=False, lora_request=lora_request)
+    return [[o.prompt_logprobs[i][s[i]].logprob for i in range(1, len(s))] for o, s in zip(outs, sequences)]
+
+
+@torch.no_grad()
+def _hf_logprobs(model, seq) -> list[float]:
+    lp = model(torch.tensor([seq])).logits[0].double().log_softmax(-1)
+    return [float(lp[i - 1, seq[i]]) for i in range(1, len(seq))]
+
+
+def _close(ours, reference) -> bool:
+    return max(abs(a - b) for a, b in zip(ours, reference)) < LP_TOL
+
+
+def _saved(tmp_path, name: str, seed: int):
+    """(directory of a saved adapter, PEFT's model loaded from it over a fresh base)."""
+    from peft import PeftModel
+
+    donor, _ = _peft(seed=seed)
+    path = str(tmp_path / name)
+    save_lora(donor, path)
+    return path, PeftModel.from_pretrained(make_tiny_model("llama")[0], path).eval()
+
+
+def test_saved_adapter_is_read_from_disk_not_from_the_live_one(tmp_path, hf_greedy):
+    """Held out: save S, then move the live adapter in place (an optimizer step); a LoRARequest
+    for S equals PEFT loading S, and rows without one follow the live adapter as it is now."""
+    from peft import PeftModel
+
+    pm, tok = _peft(seed=3)
+    path = str(tmp_path / "S")
+    save_lora(pm, path)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    saved = PeftModel.from_pretrained(make_tiny_model("llama")[0], path).eval()
+    llm = LLM(pm, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32)
+    request = LoRARequest("S", 1, path)
+    want = [hf_greedy(saved, p, 8).tokens for p in PROMPTS]
+    assert want != [hf_greedy(pm, p, 8).tokens for p in PROMPTS]     # the live adapter moved
+    assert _gen(llm, lora_request=request) == want
+    sequences = [p + t for p, t in zip(PROMPTS, want)]
+    for ours, seq in zip(_prompt_logprobs(llm, sequences, request), sequences):
+        assert _close(ours, _hf_logprobs(saved, seq))
+    assert _gen(llm) == [hf_greedy(pm, p, 8).tokens for p in PROMPTS]
+
+
+@pytest.mark.parametrize("lora_mode", ["live", "merged"])
+def test_mixed_batch_of_live_and_two_adapters_matches_peft_one_adapter_at_a_time(tmp_path, hf_greedy,
+                                                                                 lora_mode):
+    """One call: rows of the live model, of adapter A and of adapter B (the same prompt under
+    each, and other prompts) equal PEFT's own runs of each model alone. In merged mode the
+    request rows must not see the merged live adapter."""
+    path_a, model_a = _saved(tmp_path, "A", seed=3)
+    path_b, model_b = _saved(tmp_path, "B", seed=11)
+    live, tok = _peft(seed=9)
+    llm = LLM(live, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=64,
+              lora_mode=lora_mode)
+    a, b = LoRARequest("A", 1, path_a), LoRARequest("B", 2, path_b)
+    rows = [(PROMPTS[0], None, live), (PROMPTS[0], a, model_a), (PROMPTS[0], b, model_b),
+            (PROMPTS[1], b, model_b), (PROMPTS[2], a, model_a), (PROMPTS[1], None, live)]
+    want = [hf_greedy(model, p, 8).tokens for p, _, model in rows]
+    assert len({tuple(t) for t in want[:3]}) == 3              # the three models differ here
+    assert _gen(llm, [p for p, _, _ in rows], lora_request=[r for _, r, _ in rows]) == want
+    sequences = [p + t for (p, _, _), t in zip(rows, want)]
+    ours = _prompt_logprobs(llm, sequences, [r for _, r, _ in rows])
+    for lp, seq, (_, _, model) in zip(ours, sequences, rows):
+        assert _close(lp, _hf_logprobs(model, seq))
+
+
+def test_base_model_rows_beside_live_rows():
+    """BaseModelRequest: an adapter with no tensors, so its rows run the base model with the
+    live adapter masked off (the Unsloth plugin's lora_request=None)."""
+    from flexrollout.lora import BaseModelRequest
+
+    pm, tok = _peft(seed=9)
+    with pm.disable_adapter():                     # (uncached HF runs: the same model object)
+        base = [_hf(pm, p) for p in PROMPTS[:2]]
+    live = [_hf(pm, p) for p in PROMPTS[:2]]
+    assert base != live
+    llm = LLM(pm, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32)
+    base_row = BaseModelRequest()
+    got = _gen(llm, [PROMPTS[0], PROMPTS[0], PROMPTS[1]], lora_request=[base_row, None, base_row])
+    assert got == [base[0], live[0], base[1]]

@@ -96,16 +96,16 @@ def test_groups_share_prefill_and_preemption_keeps_hf_tokens(arch, hf_greedy, en
 # --------------------------------------------------------------------------------------------- expert LoRA
 
 
-def _peft_moe(arch: str, seed: int = 2):
+def _peft_moe(arch: str, seed: int = 2, lora_seed: int | None = None):
     """A PEFT model adapting q/o projections and both expert stacks, adapters large enough to
-    move the logits well beyond the tolerance."""
+    move the logits well beyond the tolerance (drawn with `lora_seed`, default `seed`)."""
     from peft import LoraConfig, get_peft_model
 
     model, tok = make_tiny_moe(arch, seed=seed)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
                         target_parameters=EXPERT_PARAMS, init_lora_weights=False)
     pm = get_peft_model(model, config).eval()
-    randomize_lora(pm, seed)
+    randomize_lora(pm, seed if lora_seed is None else lora_seed)
     return pm, tok
 
 
@@ -164,6 +164,41 @@ def test_saved_expert_adapter_by_path_and_tensors(arch, tmp_path):
     # Rows without a request in the same call run the base model.
     assert max(abs(a - b) for a, b in zip(_engine_prompt_logprobs(llm, prompt),
                                           _reference_prompt_logprobs(base, prompt))) < LP_TOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_expert_lora_request_rows_replace_the_live_expert_adapter(arch, tmp_path):
+    """One call over a PEFT MoE model: rows with a saved expert adapter equal PEFT loading it
+    (the live expert adapter masked off on those rows, in the experts' gate/up and down), rows
+    without one equal the live PEFT model. Merged mode refuses such a call with a clear error,
+    before any work, and still serves calls without a request."""
+    from peft import PeftModel
+
+    donor, _ = _peft_moe(arch, 5)
+    donor.save_pretrained(str(tmp_path / "saved"))
+    saved = PeftModel.from_pretrained(make_tiny_moe(arch, seed=5)[0], str(tmp_path / "saved")).eval()
+    live, tok = _peft_moe(arch, 5, lora_seed=13)
+    request = LoRARequest("saved", 1, str(tmp_path / "saved"))
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+    models = [saved, live, saved]
+    llm = tiny_llm(live, tok)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(
+        max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False,
+        lora_request=[request, None, request])
+    for out, prompt, model in zip(outs, prompts, models):
+        ours = [out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]
+        assert max(abs(a - b) for a, b in zip(ours, _reference_prompt_logprobs(model, prompt))) < LP_TOL
+    # the saved and live adapters differ well beyond the tolerance on the shared prompt
+    assert max(abs(a - b) for a, b in zip(_reference_prompt_logprobs(saved, PROMPTS[0]),
+                                          _reference_prompt_logprobs(live, PROMPTS[0]))) > 100 * LP_TOL
+
+    merged = tiny_llm(live, tok, lora_mode="merged")
+    before = merged.llm_engine.stats.prefill_steps
+    with pytest.raises(ValueError, match="lora_mode='merged'.*expert"):
+        merged.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False, lora_request=request)
+    assert merged.llm_engine.stats.prefill_steps == before
+    assert max(abs(a - b) for a, b in zip(_engine_prompt_logprobs(merged, PROMPTS[0]),
+                                          _reference_prompt_logprobs(live, PROMPTS[0]))) < LP_TOL
 
 
 def test_unsupported_moe_type_is_a_clear_error():

@@ -208,7 +208,7 @@ def test_live_lora_request_reads_the_adapter_in_place():
     assert _tokens(pm.fast_generate, lora_request=pm.load_lora("x", load_tensors=True)) == stepped
 
 
-def test_no_request_is_the_base_model_and_a_saved_adapter_replaces_the_live_one(tmp_path):
+def test_no_request_is_the_base_model_and_a_saved_adapter_replaces_the_live_one(tmp_path, monkeypatch):
     pm, _ = _peft_model()
     with pm.disable_adapter():
         base = [_hf(pm, p) for p in PROMPTS]
@@ -234,10 +234,18 @@ def test_no_request_is_the_base_model_and_a_saved_adapter_replaces_the_live_one(
     assert pm.load_lora(str(tmp_path / "saved"), lora_request_id=77).lora_int_id == 77
     with pytest.raises(ValueError, match="save_directory"):
         pm.load_lora(str(tmp_path / "missing"))
-    live = pm.load_lora("x", load_tensors=True)
-    with pytest.raises(NotImplementedError, match="live adapter"):
-        pm.fast_generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
-                         lora_request=[live, None])
+    # One call mixes the live adapter, the base model and the saved adapter, row by row, without
+    # switching the live adapter off (the core's per-row rule serves all three).
+    stepped = [_hf(pm, p) for p in PROMPTS]             # PEFT with the live adapter as it is now
+    assert stepped != adapted
+
+    def no_switch(*args, **kwargs):
+        raise AssertionError("the plugin switched the live adapter off")
+
+    monkeypatch.setattr(pm, "disable_adapter", no_switch)
+    requests = [pm.load_lora("x", load_tensors=True), None, pm.load_lora(str(tmp_path / "saved"))]
+    assert _tokens(pm.fast_generate, prompts=[PROMPTS[0], PROMPTS[1], PROMPTS[1]],
+                   lora_request=requests) == [stepped[0], base[1], adapted[1]]
 
 
 def test_get_peft_model_wrapper_attaches_lora_helpers():

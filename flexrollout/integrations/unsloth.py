@@ -21,15 +21,16 @@ When `unsloth` has finished importing, `install()`:
   `vllm.lora` and `vllm.lora.request` exist; any other `vllm.*` import fails as usual.
 
 LoRA semantics (vLLM's, as Unsloth uses them): the engine holds the base weights and a request
-names the adapter. `model.load_lora(dir, load_tensors=True)` on a model with LoRA layers is the
-trainer's live adapter (Unsloth builds it from the live state dict): the engine reads PEFT's
-tensors in place, with CUDA graphs. `lora_request=None` generates with the base model and a saved
-adapter (`load_lora(dir)`) replaces the live one: for those calls the live adapters are disabled
-with PEFT's `disable_adapter()` and the decode graphs are re-captured around the switch.
+names the adapter. Each request maps onto the core's one rule (a row's `lora_request` replaces
+the model's live adapters; rows without one run the model as held), row by row, so one call may
+mix all three: `model.load_lora(dir, load_tensors=True)` on a model with LoRA layers is the
+trainer's live adapter (Unsloth builds it from the live state dict): a row without a request,
+reading PEFT's tensors in place, with CUDA graphs. `lora_request=None` is the base model (a
+`BaseModelRequest` row), and a saved adapter (`load_lora(dir)`) replaces the live one. The live
+adapters are never switched off, and no graph is re-captured for either.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.abc
@@ -41,7 +42,9 @@ import os
 import sys
 
 from ..config import _check_positive_int
+from ..lora import BaseModelRequest
 from ..lora import helpers as lora_helpers
+from ..lora.live import lora_layers
 from ..lora_request import LoRARequest
 from .unsloth_sizing import LazyEngine, grpo_batch_size
 
@@ -266,35 +269,20 @@ class UnslothEngine(LazyEngine):
 
     def _with_lora(self, call, lora_request):
         self._used = True
-        if _is_live(lora_request):
-            return call(lora_request=None)           # PEFT's own tensors, read in place
-        if self._peft is None or not _has_lora_layers(self._peft):
-            return call(lora_request=lora_request)
-        with self._live_adapters_off():
-            return call(lora_request=lora_request)
-
-    @contextlib.contextmanager
-    def _live_adapters_off(self):
-        """vLLM semantics for a base-model or saved-adapter call on a model with live LoRA."""
-        graphs = self.engine().llm_engine
-        graphs.invalidate_graphs()                   # graphs captured with the adapter on
-        try:
-            with self._peft.disable_adapter():
-                yield
-        finally:
-            graphs.invalidate_graphs()               # graphs captured with it off
+        live = self._peft is not None and _has_lora_layers(self._peft)
+        if isinstance(lora_request, (list, tuple)):
+            return call(lora_request=[_core_request(r, live) for r in lora_request])
+        return call(lora_request=_core_request(lora_request, live))
 
 
-def _is_live(lora_request) -> bool:
-    if isinstance(lora_request, (list, tuple)):
-        kinds = {isinstance(r, LiveLoRARequest) for r in lora_request}
-        if kinds == {True, False}:
-            raise NotImplementedError(
-                "lora_request mixes the trainer's live adapter (load_lora(..., load_tensors=True)) "
-                "with other adapters or None in one call; flexrollout applies the live adapter to "
-                "every row. Generate them in separate calls")
-        return kinds == {True}
-    return isinstance(lora_request, LiveLoRARequest)
+def _core_request(request, live: bool):
+    """An Unsloth request as the core's row: the trainer's live adapter is the model as held
+    (no request); no request is the base model when the model has live adapters."""
+    if isinstance(request, LiveLoRARequest):
+        return None
+    if request is None and live:
+        return BaseModelRequest()
+    return request
 
 
 def _as_flexrollout(sampling_params):
@@ -399,8 +387,7 @@ def load_lora(model, save_directory: str, load_tensors: bool = False, lora_reque
 
 
 def _has_lora_layers(model) -> bool:
-    return hasattr(model, "peft_config") and any(
-        ".lora_A." in name for name, _ in model.named_parameters())
+    return hasattr(model, "peft_config") and any(True for _ in lora_layers(model))
 
 
 def _live_lora_tensors(model) -> dict:

@@ -2,7 +2,8 @@
 
 A `Linear` names the tensors one projection reads, where the model keeps them: the base weight
 (or, in merged LoRA mode, the merged copy), the bias, the live PEFT adapters (A, B, scaling) and,
-for a step with `LoRARequest` rows, the adapters those rows asked for. Layer math takes `Linear`s
+for a step with `LoRARequest` rows, the adapters those rows asked for with their row masks
+(`lora.batch`: a row's adapter replaces the live ones). Layer math takes `Linear`s
 and calls `linear`, so one function serves the plain, the live-LoRA and the LoRARequest paths;
 compiled regions take them as inputs too (dynamo reads their tensors without a recompile per
 instance; only which fields are present specialises).
@@ -37,20 +38,25 @@ class Linear:
     bias: torch.Tensor | None = None
     # Live adapters: (A (r, in), B (out, r), scaling) each, read in place from PEFT.
     lora: tuple = ()
-    # LoRARequest adapters of some rows of this step: (A, B, scaling, rows) each. Those rows
-    # take their adapter instead of the live ones, which then apply to `live_rows` only.
+    # LoRARequest adapters of some rows of this step: (A, B, scaling, row mask (T, 1)) each.
+    # Those rows take their adapter instead of the live ones, which then apply where
+    # `live_mask` (T, 1) is set.
     row_lora: tuple = ()
-    live_rows: torch.Tensor | None = None
+    live_mask: torch.Tensor | None = None
+    # lora_mode="merged": the unmerged base weight, read by rows outside `live_mask` (a
+    # LoRARequest row must not see the merged live adapters).
+    unmerged: torch.Tensor | None = None
     # A bitsandbytes 4-bit weight's QuantState (`weight` is then its packed uint8 data).
     quant: object | None = None
 
     @property
     def plain(self) -> bool:
         """Only a 16/32-bit weight and bias: the fused kernels may read it."""
-        return len(self.lora) == 0 and len(self.row_lora) == 0 and self.quant is None  # (dynamo cannot `not` a tuple)
+        return (len(self.lora) == 0 and len(self.row_lora) == 0  # (dynamo cannot `not` a tuple)
+                and self.live_mask is None and self.quant is None)
 
-    def with_rows(self, row_lora: tuple, live_rows: torch.Tensor) -> Linear:
-        return replace(self, row_lora=row_lora, live_rows=live_rows)
+    def with_rows(self, row_lora: tuple, live_mask: torch.Tensor) -> Linear:
+        return replace(self, row_lora=row_lora, live_mask=live_mask)
 
 
 def read_linear(module: torch.nn.Module, merged=None) -> Linear:
@@ -58,7 +64,7 @@ def read_linear(module: torch.nn.Module, merged=None) -> Linear:
     its active adapters, or the merged weight when `merged` (a MergedLora) holds one."""
     base = getattr(module, "base_layer", module)
     if merged is not None and merged.has(module):
-        return Linear(merged.weight(module), base.bias)
+        return Linear(merged.weight(module), base.bias, unmerged=base.weight)
     return Linear(base.weight, base.bias, tuple(active_adapters(module)),
                   quant=quant_state_of(base.weight))
 
@@ -69,33 +75,30 @@ def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Te
         out = F.linear(x, dequantize_4bit(p.weight, p.quant, x.dtype), p.bias)
     else:
         out = gemv.project(x, p.weight, p.bias, gemv.MAX_ROWS if kernels.small else 0, kernels.pdl)
-    if p.live_rows is None:
-        for lora_a, lora_b, scaling in p.lora:
-            out = _add_low_rank(out, x, lora_a, lora_b, scaling)
-    else:
-        out = _add_to_rows(out, x, p.live_rows, [(a, b, s) for a, b, s in p.lora])
-    for lora_a, lora_b, scaling, rows in p.row_lora:
-        out = _add_to_rows(out, x, rows, [(lora_a, lora_b, scaling)])
+    if p.unmerged is not None and p.live_mask is not None:
+        # Rows with a LoRARequest multiply the base weight: exact, where subtracting the merged
+        # delta would leave the merged copy's rounding behind.
+        unmerged = gemv.project(x, p.unmerged, p.bias, gemv.MAX_ROWS if kernels.small else 0, kernels.pdl)
+        out = torch.where(p.live_mask, out, unmerged)
+    for lora_a, lora_b, scaling in p.lora:
+        out = _add_low_rank(out, x, lora_a, lora_b, scaling, p.live_mask)
+    for lora_a, lora_b, scaling, mask in p.row_lora:
+        out = _add_low_rank(out, x, lora_a, lora_b, scaling, mask)
     return out
 
 
-def _add_to_rows(out, x, rows, terms) -> torch.Tensor:
-    """out + sum(scaling * B (A x)) on `rows` only."""
-    if not terms or rows.numel() == 0:
-        return out
-    picked = x.index_select(0, rows)
-    delta = sum(F.linear(F.linear(picked, a.to(x.dtype)), b.to(x.dtype)) * s for a, b, s in terms)
-    return out.index_add(0, rows, delta.to(out.dtype))
-
-
 def _add_low_rank(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                  scaling: float) -> torch.Tensor:
-    """out + scaling * B (A x). PEFT keeps adapters in fp32 over a bf16 base; casting the adapter
-    (r x in, out x r) instead of the activations spares a prefill fp32 copies of (tokens, in) and
-    (tokens, out). The GEMMs accumulate in fp32 and round once, as PEFT does."""
+                  scaling: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """out + scaling * B (A x), on the rows `mask` (T, 1) selects when given. PEFT keeps adapters
+    in fp32 over a bf16 base; casting the adapter (r x in, out x r) instead of the activations
+    spares a prefill fp32 copies of (tokens, in) and (tokens, out). The GEMMs accumulate in fp32
+    and round once, as PEFT does. The mask multiplies the (T, r) intermediate: zero rows of A x
+    add exactly nothing, and the shapes do not depend on which rows are selected."""
     if lora_a.dtype != x.dtype:
         lora_a, lora_b = lora_a.to(x.dtype), lora_b.to(x.dtype)
     low_rank = F.linear(x, lora_a)
+    if mask is not None:
+        low_rank = low_rank * mask
     if out.dim() == 2 and out.dtype == x.dtype and not torch.compiler.is_compiling():
         # In place into `out` (ours, just computed): no (tokens, out) delta temporaries.
         return out.addmm_(low_rank, lora_b.T, alpha=scaling)

@@ -9,7 +9,9 @@ it too), and a faster small-batch kernel can replace its inside without touching
 
 Expert LoRA (PEFT `target_parameters`, one adapter): per expert e, A_e (r, in) and B_e (out, r)
 read from PEFT's lora_A (E*r, in) and lora_B (out, r*E) in place; the delta B_e (A_e x) is two
-more grouped products over the same sorted rows.
+more grouped products over the same sorted rows. A step with `LoRARequest` rows adds each
+adapter's delta under its row mask and the live adapter's under the mask of the other rows
+(`lora.batch`): the down adapter then reads the activations its own rows' gate/up produced.
 """
 from __future__ import annotations
 
@@ -67,50 +69,45 @@ class Experts:
     alpha: float = 1.702                  # gpt-oss's sigmoid slope
     gate_up_lora: ExpertLora | None = None
     down_lora: ExpertLora | None = None
-    # LoRARequest rows of this step: (gate_up ExpertLora or None, down ... or None, rows) each;
-    # those rows take their adapter instead of the live ones, which apply to `live_rows` only.
-    row_lora: tuple = ()
-    live_rows: torch.Tensor | None = None
+    # LoRARequest adapters of this step, (A, B, scaling, row mask (T, 1)) each, on gate_up and
+    # on down; their rows take them instead of the live adapters, which apply under `live_mask`.
+    row_gate_up: tuple = ()
+    row_down: tuple = ()
+    live_mask: torch.Tensor | None = None
 
-    def with_rows(self, row_lora: tuple, live_rows: torch.Tensor) -> Experts:
-        return replace(self, row_lora=row_lora, live_rows=live_rows)
+    def with_rows(self, row_gate_up: tuple, row_down: tuple, live_mask: torch.Tensor) -> Experts:
+        return replace(self, row_gate_up=row_gate_up, row_down=row_down, live_mask=live_mask)
+
+
+def _terms(live: ExpertLora | None, live_mask, rows: tuple) -> tuple[list, list, list, list]:
+    """The adapters of one stack as the custom op takes them: lists of A, B, scaling, mask."""
+    terms = ([] if live is None else [(live.lora_a, live.lora_b, live.scaling, live_mask)]) + list(rows)
+    return ([t[0] for t in terms], [t[1] for t in terms], [float(t[2]) for t in terms],
+            [t[3] for t in terms])
 
 
 def experts_forward(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: Experts,
                     small_rows: int = 0) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(h[t]) for every token t: (T, H). Rows with a
-    LoRARequest adapter run the experts with it (a nonlinear change: the down adapter reads the
-    activations the gate/up adapter changed), each group of rows on its own. Steps of at most
+    """sum_k weights[t, k] * expert_{ids[t, k]}(h[t]) for every token t: (T, H), with the live
+    expert adapters and this step's LoRARequest adapters, each on its rows. Steps of at most
     `small_rows` (token, expert) rows without expert LoRA run the grouped GEMV kernel on CUDA."""
-    if ex.live_rows is None:
-        return _experts(h, weights, ids, ex, ex.gate_up_lora, ex.down_lora, small_rows)
-    out = torch.empty_like(h)
-    groups = [(ex.gate_up_lora, ex.down_lora, ex.live_rows)] + list(ex.row_lora)
-    for gate_up_lora, down_lora, rows in groups:
-        if rows.numel():
-            out[rows] = _experts(h[rows], weights[rows], ids[rows], ex, gate_up_lora, down_lora, small_rows)
-    return out
-
-
-def _experts(h, weights, ids, ex: Experts, gu: ExpertLora | None, down: ExpertLora | None,
-             small_rows: int = 0):
-    gu_a, gu_b, gu_s = (gu.lora_a, gu.lora_b, gu.scaling) if gu is not None else (None, None, 0.0)
-    dn_a, dn_b, dn_s = (down.lora_a, down.lora_b, down.scaling) if down is not None else (None, None, 0.0)
     return moe_experts(h, weights, ids, ex.gate_up, ex.down, ex.gate_up_bias, ex.down_bias,
                        ex.transposed, ex.interleaved, ex.act, ex.limit, ex.alpha,
-                       gu_a, gu_b, gu_s, dn_a, dn_b, dn_s, small_rows)
+                       *_terms(ex.gate_up_lora, ex.live_mask, ex.row_gate_up),
+                       *_terms(ex.down_lora, ex.live_mask, ex.row_down), small_rows)
 
 
 @torch.library.custom_op("flexrollout::moe_experts", mutates_args=())
 def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
                 transposed: bool, interleaved: bool, act: str, limit: float, alpha: float,
-                gu_lora_a: torch.Tensor | None, gu_lora_b: torch.Tensor | None, gu_scaling: float,
-                down_lora_a: torch.Tensor | None, down_lora_b: torch.Tensor | None,
-                down_scaling: float, small_rows: int) -> torch.Tensor:
+                gu_lora_a: list[torch.Tensor], gu_lora_b: list[torch.Tensor], gu_scaling: list[float],
+                gu_mask: list[torch.Tensor | None], down_lora_a: list[torch.Tensor],
+                down_lora_b: list[torch.Tensor], down_scaling: list[float],
+                down_mask: list[torch.Tensor | None], small_rows: int) -> torch.Tensor:
     tokens, top_k = ids.shape
-    if (tokens * top_k <= min(small_rows, expert_gemv.MAX_ROWS) and gu_lora_a is None
-            and down_lora_a is None and expert_gemv.supported(h, gate_up, down)):
+    if (tokens * top_k <= min(small_rows, expert_gemv.MAX_ROWS) and len(gu_lora_a) == 0
+            and len(down_lora_a) == 0 and expert_gemv.supported(h, gate_up, down)):
         return expert_gemv.experts_small(h, ids, weights, gate_up, down, gate_up_bias, down_bias,
                                          transposed, interleaved, act, limit, alpha)
     num_experts = gate_up.shape[0]
@@ -121,14 +118,14 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     proj = _grouped(x, gate_up if transposed else gate_up.transpose(-2, -1), groups)
     if gate_up_bias is not None:
         proj = proj + gate_up_bias[groups.expert]
-    if gu_lora_a is not None:
-        proj = proj + _grouped_lora(x, gu_lora_a, gu_lora_b, gu_scaling, groups)
+    for a, b, scaling, mask in zip(gu_lora_a, gu_lora_b, gu_scaling, gu_mask):
+        proj = proj + _grouped_lora(x, a, b, scaling, mask, groups)
     act_out = _gated(proj, interleaved, act, limit, alpha)
     out = _grouped(act_out, down if transposed else down.transpose(-2, -1), groups)
     if down_bias is not None:
         out = out + down_bias[groups.expert]
-    if down_lora_a is not None:
-        out = out + _grouped_lora(act_out, down_lora_a, down_lora_b, down_scaling, groups)
+    for a, b, scaling, mask in zip(down_lora_a, down_lora_b, down_scaling, down_mask):
+        out = out + _grouped_lora(act_out, a, b, scaling, mask, groups)
     out = out * weights.reshape(-1)[order, None].to(out.dtype)
     # Back to (token, choice) order; the k outputs of a token sum.
     unsorted = torch.empty_like(out).index_copy_(0, order, out)
@@ -137,7 +134,8 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
 
 @moe_experts.register_fake
 def _(h, weights, ids, gate_up, down, gate_up_bias, down_bias, transposed, interleaved, act, limit,
-      alpha, gu_lora_a, gu_lora_b, gu_scaling, down_lora_a, down_lora_b, down_scaling, small_rows):
+      alpha, gu_lora_a, gu_lora_b, gu_scaling, gu_mask, down_lora_a, down_lora_b, down_scaling,
+      down_mask, small_rows):
     return torch.empty_like(h)
 
 
@@ -169,15 +167,20 @@ def _grouped(x: torch.Tensor, stack: torch.Tensor, groups: _Groups) -> torch.Ten
     return F.grouped_mm(x, stack, offs=groups.offs)
 
 
-def _grouped_lora(x, lora_a, lora_b, scaling: float, groups: _Groups) -> torch.Tensor:
-    """scaling * B_e (A_e x) for rows grouped by expert. A_e = lora_a.reshape(E, r, in)[e] and
-    B_e = lora_b.reshape(out, r, E)[:, :, e] (PEFT's layout); the adapter is cast to x's dtype
-    (PEFT keeps it in fp32 over a 16-bit base). B's (E, r, out) stack is a copy of the adapter's
+def _grouped_lora(x, lora_a, lora_b, scaling: float, mask: torch.Tensor | None,
+                  groups: _Groups) -> torch.Tensor:
+    """scaling * B_e (A_e x) for rows grouped by expert, on the tokens `mask` (T, 1) selects when
+    given (applied to the rank-r intermediate, as `layers.linear` does).
+    A_e = lora_a.reshape(E, r, in)[e] and B_e = lora_b.reshape(out, r, E)[:, :, e] (PEFT's
+    layout); the adapter is cast to x's dtype (PEFT keeps it in fp32 over a 16-bit base). B's (E, r, out) stack is a copy of the adapter's
     r * E * out elements: grouped_mm needs a unit stride in each expert's matrix."""
     num_experts = groups.num_experts
     a = lora_a.to(x.dtype).reshape(num_experts, -1, lora_a.shape[-1]).transpose(1, 2)   # (E, in, r)
     b = lora_b.to(x.dtype).reshape(lora_b.shape[0], -1, num_experts).permute(2, 1, 0).contiguous()
-    return _grouped(_grouped(x, a, groups), b, groups) * scaling
+    low_rank = _grouped(x, a, groups)
+    if mask is not None:
+        low_rank = low_rank * mask[groups.token]
+    return _grouped(low_rank, b, groups) * scaling
 
 
 def _gated(proj: torch.Tensor, interleaved: bool, act: str, limit: float, alpha: float) -> torch.Tensor:

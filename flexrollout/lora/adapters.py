@@ -4,7 +4,8 @@ An adapter becomes {(layer index, target name): (A, B, scaling)} on the engine's
 dtype. A target is a projection ("q_proj", ...) with A (r, in) and B (out, r), or a stacked
 expert parameter ("experts.gate_up_proj", PEFT's `target_parameters`) with A (E*r, in) and
 B (out, r*E) as PEFT stores them. Rows of a batch that name an adapter run the base model plus
-that adapter; rows of one batch may use different adapters or none. Everything is validated
+that adapter, instead of the model's live PEFT adapters; rows of one batch may use different
+adapters or none (`lora.batch`). `BaseModelRequest` names the base model itself. Everything is validated
 before any work: a missing or malformed adapter is a clear error, never a silent no-op.
 """
 from __future__ import annotations
@@ -44,6 +45,19 @@ class Adapter:
     lora_int_id: int
     name: str
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
+
+
+class BaseModelRequest(LoRARequest):
+    """Rows that run the base model: no adapter, and the live ones masked off as for any request
+    (the Unsloth plugin's `lora_request=None`: vLLM's engine holds only the base weights)."""
+
+    def __init__(self) -> None:
+        super().__init__("base_model", 1, lora_tensors={}, lora_config={})
+
+
+# An adapter with no tensors. Its id, -1, is no request's (ids are > 0) nor the live rows' (0),
+# so base rows neither share a prefill with live rows nor take their slot.
+BASE_MODEL = Adapter(-1, "base_model", {})
 
 
 def _config_dict(config) -> dict:
@@ -179,6 +193,8 @@ class AdapterRegistry:
         self.adapters: dict[int, Adapter] = {}
 
     def get(self, request: LoRARequest) -> Adapter:
+        if isinstance(request, BaseModelRequest):
+            return BASE_MODEL
         if request.lora_int_id not in self.adapters:
             self.adapters[request.lora_int_id] = load_adapter(
                 request, self.num_layers, self.targets, self.device, self.dtype)

@@ -9,6 +9,13 @@ def is_lora_layer(module: torch.nn.Module) -> bool:
     return hasattr(module, "base_layer") and hasattr(module, "lora_A")
 
 
+def lora_layers(model: torch.nn.Module):
+    """(name, module) of every PEFT LoRA wrapper in `model`: projections and expert ParamWrappers."""
+    for name, module in model.named_modules():
+        if is_lora_layer(module):
+            yield name, module
+
+
 def active_adapters(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
     """(A (r, in), B (out, r), scaling) of every adapter that changes the layer's output now:
     none while PEFT has merged them into the base weight or disabled them. The tensors are

@@ -14,15 +14,9 @@ import logging
 
 import torch
 
-from .live import active_adapters, is_lora_layer
+from .live import active_adapters, lora_layers
 
 logger = logging.getLogger(__name__)
-
-
-def _lora_modules(model: torch.nn.Module):
-    for name, module in model.named_modules():
-        if is_lora_layer(module):
-            yield name, module
 
 
 def base_tensor(module: torch.nn.Module) -> torch.Tensor:
@@ -47,7 +41,7 @@ def delta(module: torch.nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor, s
 
 class MergedLora:
     def __init__(self, model: torch.nn.Module) -> None:
-        self.modules = dict(_lora_modules(model))
+        self.modules = dict(lora_layers(model))
         quantized = [name for name, m in self.modules.items() if base_tensor(m).dtype == torch.uint8]
         if quantized:
             raise ValueError(
@@ -56,6 +50,11 @@ class MergedLora:
         self.merged: dict[int, torch.Tensor] = {
             id(m): torch.empty_like(base_tensor(m)) for m in self.modules.values()}
         self._versions: dict[int, tuple] = {}
+
+    @property
+    def expert_stacks(self) -> list[str]:
+        """Names of the merged stacked expert parameters (PEFT ParamWrappers)."""
+        return [name for name, m in self.modules.items() if hasattr(m, "parameter_name")]
 
     def has(self, module: torch.nn.Module) -> bool:
         return id(module) in self.merged

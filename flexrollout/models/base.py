@@ -28,12 +28,10 @@ from ..attention.flex import AttentionMetadata, paged_attention
 from ..compile import compiled
 from ..kernels import small_linear as gemv
 from ..layers.linear import Kernels, Linear, gemv_ready, linear, read_linear
-from ..layers.moe import ExpertLora
 from ..layers.norm import LLAMA, rms_norm
 from ..layers.quant import logical_shape
 from ..layers.rope import tables_from_rotary
 from ..lora.adapters import Targets
-from ..lora.live import is_lora_layer
 from ..spec import ATTENTION, LayerSpec, ModelSpec
 
 
@@ -251,16 +249,15 @@ class DecoderForward:
         """Layer `index`'s projection `name`, with this step's LoRARequest rows if any."""
         p = self._linears[index][name]
         lora = step.meta.lora
-        return p if lora is None else p.with_rows(lora.terms(index, name), lora.live_rows)
+        return p if lora is None else p.with_rows(lora.terms(index, name), lora.live_mask)
 
     def layer_experts(self, index: int, step: Step):
         """Layer `index`'s stacked experts, with this step's LoRARequest rows if any."""
         experts, lora = self.experts[index], step.meta.lora
         if lora is None:
             return experts
-        groups = tuple((_expert_lora(gate_up), _expert_lora(down), rows)
-                       for gate_up, down, rows in lora.expert_terms(index))
-        return experts.with_rows(groups, lora.live_rows)
+        return experts.with_rows(lora.expert_terms(index, "gate_up_proj"),
+                                 lora.expert_terms(index, "down_proj"), lora.live_mask)
 
     def _step(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache) -> Step:
         positions = meta.positions
@@ -288,19 +285,11 @@ class DecoderForward:
         input width a multiple of its block)."""
         return all(gemv_ready(p) for layer in self._linears for p in layer.values())
 
-    def has_live_lora(self) -> bool:
-        return any(is_lora_layer(m) for i in range(len(self.spec.layers))
-                   for m in self.projections(i).values())
-
 
 def _math_shape(stack: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
     """(experts, out, in) of a stacked expert parameter."""
     experts, d1, d2 = stack.shape
     return (experts, d2, d1) if transposed else (experts, d1, d2)
-
-
-def _expert_lora(weights):
-    return None if weights is None else ExpertLora(*weights)
 
 
 def _tensor_ids(obj) -> tuple:
