@@ -2,23 +2,21 @@
 from __future__ import annotations
 
 import logging
-import random
-from dataclasses import dataclass
-from itertools import count
 
 import torch
 
 from .config import EngineConfig, resolve_dtype
 from .engine.engine import LLMEngine, device_scope
 from .engine.sequence import Sequence
+from .facades import LoRAConfig
 from .lora import AdapterRegistry
 from .lora.merged import MergedLora
 from .lora_request import LoRARequest
-from .weights import ModelExecutor, weight_bytes
 from .models import build_forward, unwrap_peft
-from .outputs import CompletionOutput, RequestOutput
-from .prompts import Prompt, check_tokens, split_prompts, to_prompt
-from .sampling_params import SamplingParams
+from .outputs import RequestOutput, request_output
+from .prompts import chat_prompts
+from .requests import Request, SequenceMaker, parse_requests, prefill_groups
+from .weights import ModelExecutor, weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +90,7 @@ class LLM:
         self._lora_registry: AdapterRegistry | None = None
         if enable_lora or hasattr(self.model, "peft_config"):
             self.llm_engine.vllm_config.lora_config = LoRAConfig(max_lora_rank=max_lora_rank)
-        self._eos_ids = self._eos_token_ids(hf)
-        self._rng = random.Random(seed)
-        self._request_ids = count()
+        self._sequence_maker = SequenceMaker(seed, self._eos_token_ids(hf))
 
     # -- construction helpers ----------------------------------------------------------------
     @staticmethod
@@ -173,35 +169,18 @@ class LLM:
             prompts = [{"prompt_token_ids": ids} for ids in kwargs.pop("prompt_token_ids")]
         if kwargs:
             raise TypeError(f"generate() got unexpected keyword arguments {sorted(kwargs)}")
-        items = split_prompts(prompts)
-        params = self._params_list(sampling_params, len(items))
-        parsed = [to_prompt(p, self.tokenizer, i) for i, p in enumerate(items)]
-        requests = [self._prepare(i, prompt, sp) for i, (prompt, sp) in enumerate(zip(parsed, params))]
-        for request, adapter in zip(requests, self._adapters(lora_request, len(items))):
-            request["lora"] = adapter
-        self._check_weights()
-        return self._run(parsed, requests, use_tqdm)
+        return self._run(self._requests(prompts, sampling_params, lora_request), use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm=True, lora_request=None,
              chat_template=None, add_generation_prompt=True, continue_final_message=False,
              chat_template_kwargs=None, tools=None, **kwargs) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list, then generate."""
-        if isinstance(messages, str) or not isinstance(messages, (list, tuple)):
-            raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) "
-                            f"or a list of conversations, got {type(messages).__name__}")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        if not conversations:
+        prompts = chat_prompts(messages, self.tokenizer, chat_template=chat_template,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, tools=tools,
+                               **(chat_template_kwargs or {}))
+        if not prompts:
             return []
-        prompts = []
-        for i, conv in enumerate(conversations):
-            if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
-                raise TypeError(f"messages[{i}] must be a list of message dicts")
-            text = self.tokenizer.apply_chat_template(
-                list(conv), tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=chat_template,
-                tools=tools, **(chat_template_kwargs or {}))
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
-            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # -- sleep / wake and weight-sync hooks (vLLM's names) -----------------------------------
@@ -273,50 +252,18 @@ class LLM:
             self.llm_engine.invalidate_graphs()
             self._weights_key = key
 
-    # -- request preparation -----------------------------------------------------------------
-    @staticmethod
-    def _params_list(sampling_params, num_prompts: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * num_prompts
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * num_prompts
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != num_prompts:
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
-                                 f"{num_prompts} prompts; pass one or one per prompt")
-            for i, sp in enumerate(sampling_params):
-                if not isinstance(sp, SamplingParams):
-                    raise TypeError(f"sampling_params[{i}] must be a SamplingParams, "
-                                    f"got {type(sp).__name__}")
-            return list(sampling_params)
-        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
-                        f"got {type(sampling_params).__name__}")
-
-    def _adapters(self, lora_request, num_prompts: int) -> list:
-        """One Adapter (or None) per prompt, loaded and validated before any work."""
-        if lora_request is None:
-            return [None] * num_prompts
-        if isinstance(lora_request, LoRARequest):
-            requests = [lora_request] * num_prompts
-        elif isinstance(lora_request, (list, tuple)):
-            if len(lora_request) != num_prompts:
-                raise ValueError(f"lora_request has {len(lora_request)} entries for {num_prompts} prompts")
-            requests = list(lora_request)
-        else:
-            raise TypeError(f"lora_request must be a LoRARequest or a list of them, "
-                            f"got {type(lora_request).__name__}")
-        for i, req in enumerate(requests):
-            if req is not None and not isinstance(req, LoRARequest):
-                raise TypeError(f"lora_request[{i}] must be a LoRARequest or None, got {type(req).__name__}")
+    # -- requests ----------------------------------------------------------------------------
+    def _adapters(self, loras: list[LoRARequest | None]) -> list:
+        """The Adapter (or None) of each row's LoRARequest, loaded before any work."""
         merged = self.llm_engine.forward.merged
-        if merged is not None and merged.expert_stacks and any(r is not None for r in requests):
+        if merged is not None and merged.expert_stacks and any(r is not None for r in loras):
             # Linear projections read the unmerged base weight for such rows; stacked experts
             # have no such path yet, and subtracting the merged delta would not be exact.
             raise ValueError(
                 f"lora_request with lora_mode='merged' on a model whose expert stacks carry LoRA "
                 f"({merged.expert_stacks[0]}) is not supported: a request's rows must not see the "
                 f"merged live adapter. Use lora_mode='live'")
-        return [None if req is None else self._registry().get(req) for req in requests]
+        return [None if req is None else self._registry().get(req) for req in loras]
 
     def _registry(self) -> AdapterRegistry:
         if self._lora_registry is None:
@@ -332,81 +279,21 @@ class LLM:
     def list_loras(self) -> set[int]:
         return set() if self._lora_registry is None else set(self._lora_registry.adapters)
 
-    def _prepare(self, index: int, prompt: Prompt, params: SamplingParams) -> dict:
-        engine = self.llm_engine
-        vocab = engine.spec.vocab_size
-        truncate = params.truncate_prompt_tokens
-        if truncate is not None:
-            keep = engine.max_model_len if truncate == -1 else truncate
-            prompt.token_ids = prompt.token_ids[-keep:]
-        check_tokens(prompt, vocab, engine.max_model_len, index)
-        for name in ("stop_token_ids", "allowed_token_ids"):
-            bad = [t for t in getattr(params, name) or () if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"sampling_params.{name} has ids outside [0, {vocab}): {bad[:5]}")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > vocab:
-                raise ValueError(f"sampling_params.{name}={k} exceeds the vocabulary size {vocab} "
-                                 f"(use -1 for all tokens)")
-        bad = [t for t in params.logit_bias or {} if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"sampling_params.logit_bias has ids outside [0, {vocab}): {bad[:5]}")
-        room = engine.max_model_len - len(prompt.token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        needed = len(prompt.token_ids) + max_tokens
-        if needed > engine.capacity_tokens:
-            raise ValueError(
-                f"prompts[{index}] needs {needed} KV tokens (prompt {len(prompt.token_ids)} + "
-                f"max_tokens {max_tokens}) but the cache holds {engine.capacity_tokens}; lower "
-                f"max_tokens or raise num_kv_pages / gpu_memory_utilization")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("sampling_params.stop needs a tokenizer")
-        return {"params": params, "max_tokens": max_tokens}
+    def _requests(self, prompts, sampling_params, lora_request) -> list[Request]:
+        """Every request checked (and its adapter loaded) before any work; weights current."""
+        requests = parse_requests(prompts, sampling_params, lora_request, self.llm_engine,
+                                  self.tokenizer, self._adapters)
+        self._check_weights()
+        return requests
 
-    def _bad_words(self, params: SamplingParams) -> list[list[int]]:
-        if not params.bad_words:
-            return []
-        copy = params.clone()
-        copy.update_from_tokenizer(self.tokenizer)
-        return [list(w) for w in copy.bad_words_token_ids or []]
-
-    def _sequences(self, index: int, prompt: Prompt, request: dict) -> list[Sequence]:
-        params = request["params"]
-        stop_ids = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids |= self._eos_ids
-        bad_words = self._bad_words(params)
-        seqs = []
-        for sample in range(params.n):
-            if params.seed is not None:
-                seed = (params.seed + sample * 0x9E3779B97F4A7C15) % (1 << 63)
-            else:
-                seed = self._rng.getrandbits(63)
-            seqs.append(Sequence(
-                seq_id=next(self._request_ids), request_index=index, sample_index=sample,
-                token_ids=list(prompt.token_ids), num_prompt_tokens=len(prompt.token_ids),
-                params=params, max_tokens=request["max_tokens"], seed=seed,
-                stop_ids=frozenset(stop_ids), bad_words_ids=bad_words, lora=request["lora"]))
-        return seqs
+    def _sequences(self, requests: list[Request]) -> list[list[Sequence]]:
+        return [self._sequence_maker.sequences(r, self.tokenizer) for r in requests]
 
     def _groups(self, per_request: list[list[Sequence]]) -> list[list[Sequence]]:
-        """Samples of one prompt, and identical prompts in this call, share one prefill."""
-        if not self.config.enable_prefix_caching:
-            return [[s] for seqs in per_request for s in seqs]
-        groups: dict[tuple, list[Sequence]] = {}
-        for seqs in per_request:
-            for seq in seqs:
-                # A request that skips reading shared prompt KV (by default, one asking for
-                # prompt_logprobs, which only a group's leader computes) stays alone.
-                lora_id = seq.lora.lora_int_id if seq.lora is not None else 0
-                key = ((seq.seq_id,) if seq.params.skip_reading_prefix_cache
-                       else (lora_id, tuple(seq.token_ids)))
-                groups.setdefault(key, []).append(seq)
-        return list(groups.values())
+        return prefill_groups(per_request, self.config.enable_prefix_caching)
 
-    def _run(self, prompts: list[Prompt], requests: list[dict], use_tqdm: bool) -> list[RequestOutput]:
-        per_request = [self._sequences(i, p, r) for i, (p, r) in enumerate(zip(prompts, requests))]
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        per_request = self._sequences(requests)
         remaining = [len(s) for s in per_request]
         bar = _progress(len(per_request), use_tqdm)
 
@@ -420,27 +307,7 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [self._output(p, seqs) for p, seqs in zip(prompts, per_request)]
-
-    @staticmethod
-    def _output(prompt: Prompt, seqs: list[Sequence]) -> RequestOutput:
-        completions = [CompletionOutput(
-            index=s.sample_index, text=s.text, token_ids=s.generated_ids,
-            cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-            logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-            for s in seqs]
-        return RequestOutput(
-            request_id=str(seqs[0].seq_id), prompt=prompt.text, prompt_token_ids=prompt.token_ids,
-            prompt_logprobs=seqs[0].prompt_logprobs, outputs=completions, finished=True,
-            num_cached_tokens=max(s.num_cached for s in seqs))
-
-
-@dataclass
-class LoRAConfig:
-    """What vLLM clients read from `llm_engine.vllm_config.lora_config`."""
-
-    max_lora_rank: int = 16
-    max_loras: int = 64
+        return [request_output(r, seqs) for r, seqs in zip(requests, per_request)]
 
 
 def _sleep_level(level) -> int:

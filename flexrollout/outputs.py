@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 if TYPE_CHECKING:
+    from flexrollout.engine.sequence import Sequence
     from flexrollout.lora_request import LoRARequest
+    from flexrollout.requests import Request
 
 
 @dataclass
@@ -89,3 +91,16 @@ class RequestOutput:
             f"outputs={self.outputs}, finished={self.finished}, lora_request={self.lora_request}, "
             f"num_cached_tokens={self.num_cached_tokens})"
         )
+
+
+def request_output(request: Request, seqs: list[Sequence]) -> RequestOutput:
+    """A finished request's output, built from its engine sequences (one per sample)."""
+    completions = [CompletionOutput(
+        index=s.sample_index, text=s.text, token_ids=s.generated_ids,
+        cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+        logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+        for s in seqs]
+    return RequestOutput(
+        request_id=str(seqs[0].seq_id), prompt=request.prompt.text,
+        prompt_token_ids=request.prompt.token_ids, prompt_logprobs=seqs[0].prompt_logprobs,
+        outputs=completions, finished=True, num_cached_tokens=max(s.num_cached for s in seqs))

@@ -75,3 +75,21 @@ def check_tokens(prompt: Prompt, vocab_size: int, max_model_len: int, index: int
         raise ValueError(
             f"prompts[{index}] has {len(prompt.token_ids)} tokens; with max_model_len="
             f"{max_model_len} a prompt may have at most {max_model_len - 1} (one token to generate)")
+
+
+def chat_prompts(messages, tokenizer, /, **template_kwargs) -> list[dict]:
+    """One conversation (a list of message dicts) or a list of them -> prompts with token ids and
+    text, through the tokenizer's chat template (`template_kwargs` go to `apply_chat_template`)."""
+    if isinstance(messages, str) or not isinstance(messages, (list, tuple)):
+        raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) "
+                        f"or a list of conversations, got {type(messages).__name__}")
+    conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+    prompts = []
+    for i, conv in enumerate(conversations):
+        if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
+            raise TypeError(f"messages[{i}] must be a list of message dicts")
+        text = tokenizer.apply_chat_template(list(conv), tokenize=False, **template_kwargs)
+        # The template wrote the special tokens already.
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        prompts.append({"prompt_token_ids": ids, "prompt": text})
+    return prompts

@@ -185,3 +185,34 @@ def test_num_kv_pages_past_int32_indexing_is_refused(tiny_llama):
     too_many = 2**31 // (widest * 16) + 1
     with pytest.raises(ValueError, match="num_kv_pages"):
         LLM(model, tokenizer=tok, max_model_len=64, page_size=16, num_kv_pages=too_many)
+
+
+BAD_REQUEST_ARGS = {
+    # id: (generate keyword arguments, exception, message must match)
+    "lora-request-str": ({"lora_request": "adapter"}, TypeError, r"lora_request must be"),
+    "lora-request-list-too-short": ({"lora_request": [None]}, ValueError, r"lora_request has 1 entries"),
+    "lora-request-list-with-str": ({"lora_request": [None, "adapter"]}, TypeError, r"lora_request\[1\]"),
+    "stop-token-id-outside-vocab": ({"sampling_params": SamplingParams(stop_token_ids=[VOCAB])},
+                                    ValueError, r"stop_token_ids"),
+    "allowed-token-id-outside-vocab": ({"sampling_params": SamplingParams(allowed_token_ids=[5, VOCAB])},
+                                  ValueError, r"allowed_token_ids"),
+    "logit-bias-outside-vocab": ({"sampling_params": SamplingParams(logit_bias={VOCAB + 3: 1.0})},
+                                 ValueError, r"logit_bias"),
+    "logprobs-above-vocab": ({"sampling_params": SamplingParams(logprobs=VOCAB + 1)}, ValueError, r"logprobs"),
+    "prompt-logprobs-above-vocab": ({"sampling_params": SamplingParams(prompt_logprobs=VOCAB + 1)},
+                                    ValueError, r"prompt_logprobs"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUEST_ARGS), ids=str)
+def test_bad_request_arguments(engine, case):
+    """Checked for every prompt before any work, the good prompt first."""
+    kwargs, exc, match = BAD_REQUEST_ARGS[case]
+    kwargs = {"sampling_params": _greedy(), **kwargs}
+    engine.rejects(exc, match, lambda: engine.llm.generate([GOOD_IDS, GOOD_TEXT], use_tqdm=False, **kwargs))
+
+
+def test_chat_rejects_a_bad_conversation_among_good_ones(engine):
+    good = [{"role": "user", "content": "t5 t6"}]
+    engine.rejects(TypeError, r"messages\[1\]",
+                   lambda: engine.llm.chat([good, ["t5"]], _greedy(), use_tqdm=False))

@@ -13,16 +13,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..attention.kv_cache import KVCache
 from ..config import EngineConfig
+from ..facades import ModelConfig, VllmConfig
 from ..models.base import ForwardOptions
-from ..outputs import Logprob
 from .detokenizer import append_text, final_text, find_stop_string
 from .graphs import DecodeGraphs
+from .logprobs import host_rows, prompt_entries, record_sampled
 from .page_table import PageTable
 from .runner import ModelRunner
 from .sampler import (
@@ -73,24 +74,6 @@ class PendingDecode:
     seqs: list[Sequence]
     out: SamplerOutput                 # host tensors, valid once `ready` has completed
     ready: torch.cuda.Event | None     # None on CPU: the outputs are already there
-
-
-@dataclass
-class ModelConfig:
-    """The subset of vLLM's ModelConfig that clients read."""
-
-    model: str
-    max_model_len: int
-    dtype: torch.dtype
-    enable_sleep_mode: bool = False
-    enable_prefix_caching: bool = True
-
-
-@dataclass
-class VllmConfig:
-    model_config: ModelConfig
-    lora_config: object | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -334,7 +317,7 @@ class LLMEngine:
     # -- after sampling ----------------------------------------------------------------------
     def _append(self, seqs: list[Sequence], out: SamplerOutput, on_finish) -> None:
         token_ids = out.token_ids.tolist()          # the one device -> host transfer per step
-        extras = self._logprob_rows(out)
+        rows = host_rows(out)
         for row, (seq, token) in enumerate(zip(seqs, token_ids)):
             if seq.status is Status.FINISHED:
                 self.stats.discarded_tokens += 1    # it stopped one step earlier
@@ -342,35 +325,11 @@ class LLMEngine:
             seq.token_ids.append(token)
             self.stats.generated_tokens += 1
             if seq.params.logprobs is not None:
-                self._record_logprobs(seq, token, extras, row)
+                record_sampled(seq, token, rows, row, self.spec.vocab_size, self._token_text)
             if self._check_stop(seq, token):
                 self.scheduler.finish(seq)
                 if on_finish is not None:
                     on_finish(seq)
-
-    @staticmethod
-    def _logprob_rows(out: SamplerOutput):
-        if out.logprobs is None:
-            return None
-        top = (out.top_ids.tolist(), out.top_logprobs.tolist()) if out.top_ids is not None else None
-        return out.logprobs.tolist(), out.ranks.tolist(), top
-
-    def _record_logprobs(self, seq: Sequence, token: int, extras, row: int) -> None:
-        sampled_lp, ranks, top = extras
-        text = self._token_text if seq.params.detokenize else _no_text
-        entry = {token: Logprob(sampled_lp[row], ranks[row], text(token))}
-        k = self._top_count(seq.params.logprobs)
-        if top is not None and k > 0:
-            for rank, (tid, value) in enumerate(zip(top[0][row][:k], top[1][row][:k]), start=1):
-                entry.setdefault(tid, Logprob(value, rank, text(tid)))
-        if seq.logprobs is None:
-            seq.logprobs = []
-        seq.logprobs.append(entry)
-        seq.cumulative_logprob += sampled_lp[row]
-
-    def _top_count(self, k: int) -> int:
-        """vLLM's -1 means the whole vocabulary."""
-        return self.spec.vocab_size if k == -1 else k
 
     def _token_text(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
@@ -388,26 +347,9 @@ class LLMEngine:
         for first in range(0, len(targets), self._PROMPT_LOGPROB_ROWS):
             block = targets[first:first + self._PROMPT_LOGPROB_ROWS]
             rows = hidden[first:first + len(block)]
-            seq.prompt_logprobs += self._prompt_logprob_entries(
-                self.runner.logits(rows).log_softmax(dim=-1), block, seq.params)
-
-    def _prompt_logprob_entries(self, logprobs: torch.Tensor, targets: list[int], params) -> list[dict]:
-        """One {token: Logprob} dict per row: the target token plus the top-k (k = -1: all)."""
-        target_t = torch.tensor(targets, device=logprobs.device)
-        chosen = logprobs.gather(1, target_t[:, None]).squeeze(1)
-        ranks = ((logprobs > chosen[:, None]).sum(-1) + 1).tolist()
-        chosen = chosen.tolist()
-        k = self._top_count(params.prompt_logprobs)
-        text = self._token_text if params.detokenize else _no_text
-        top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
-        entries = []
-        for i, token in enumerate(targets):
-            entry = {token: Logprob(chosen[i], ranks[i], text(token))}
-            if k > 0:
-                for rank, (tid, value) in enumerate(zip(top_ids[i].tolist(), top_lp[i].tolist()), 1):
-                    entry.setdefault(tid, Logprob(value, rank, text(tid)))
-            entries.append(entry)
-        return entries
+            seq.prompt_logprobs += prompt_entries(
+                self.runner.logits(rows).log_softmax(dim=-1), block, seq.params,
+                self.spec.vocab_size, self._token_text)
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         params = seq.params
@@ -431,7 +373,3 @@ class LLMEngine:
             seq.text = final_text(self.tokenizer, seq, stopped_by_token)
         return True
 
-
-def _no_text(token: int) -> None:
-    """decoded_token when the request asked for detokenize=False (as vLLM)."""
-    return
