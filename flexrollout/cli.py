@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import threading
 from pathlib import Path
 
 from .model_files import (DEMO_EXTRA_HINT, UserError, cache_size, check_device, check_model_path,
@@ -124,7 +123,7 @@ def _chat(args) -> int:
             continue
         messages.append({"role": "user", "content": line})
         ids = _fit_history(tokenizer, messages, args.max_model_len - args.max_tokens)
-        reply, cut = stream_reply(llm, ids, params, tokenizer)
+        reply, cut = stream_reply(llm, ids, params)
         if cut:
             print(" " + CUT_MARK.format(args.max_tokens), end="")
         print(flush=True)
@@ -149,46 +148,14 @@ def _fit_history(tokenizer, messages: list[dict], budget: int) -> list[int]:
         del messages[first:first + 2]
 
 
-def stream_reply(llm, prompt_ids: list[int], params, tokenizer, poll_s: float = 0.02):
-    """Generate one reply, printing its text as tokens arrive: (text, cut by max_tokens).
-
-    `LLM.generate` runs in a worker thread; this thread reads the running sequence's token list
-    (appended to by the engine, never rewritten) and prints what decodes to complete characters.
-    """
-    result: dict = {}
-
-    def work() -> None:
-        try:
-            result["out"] = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
-        except BaseException as error:      # re-raised below, in the caller's thread
-            result["error"] = error
-
-    worker = threading.Thread(target=work, daemon=True)
-    worker.start()
-    scheduler = llm.llm_engine.scheduler
-    seq, shown = None, ""
-    while worker.is_alive():
-        worker.join(poll_s)
-        if seq is None:
-            running = list(scheduler.running)
-            seq = running[0] if running else None
-        if seq is not None:
-            shown = _print_new(tokenizer.decode(list(seq.generated_ids), skip_special_tokens=True), shown)
-    if "error" in result:
-        raise result["error"]
-    completion = result["out"].outputs[0]
-    _print_new(completion.text, shown)
-    return completion.text, completion.finish_reason == "length"
-
-
-def _print_new(text: str, shown: str) -> str:
-    """Print the part of `text` past `shown`; a trailing partial UTF-8 character waits."""
-    text = text.rstrip("\ufffd")
-    if text.startswith(shown) and len(text) > len(shown):
-        sys.stdout.write(text[len(shown):])
+def stream_reply(llm, prompt_ids: list[int], params) -> tuple[str, bool]:
+    """Generate one reply, printing its text as it comes: (text, cut by max_tokens)."""
+    for delta in llm.generate_stream([{"prompt_token_ids": prompt_ids}], params):
+        sys.stdout.write(delta.text)
         sys.stdout.flush()
-        return text
-    return shown
+        if delta.output is not None:
+            completion = delta.output.outputs[0]
+    return completion.text, completion.finish_reason == "length"
 
 
 # -- cache -------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -13,7 +14,7 @@ from .lora import AdapterRegistry
 from .lora.merged import MergedLora
 from .lora_request import LoRARequest
 from .models import build_forward, unwrap_peft
-from .outputs import RequestOutput, request_output
+from .outputs import DeltaStream, RequestOutput, TokenDelta, request_output
 from .prompts import chat_prompts
 from .requests import Request, SequenceMaker, parse_requests, prefill_groups
 from .weights import ModelExecutor, weight_bytes
@@ -170,6 +171,27 @@ class LLM:
         if kwargs:
             raise TypeError(f"generate() got unexpected keyword arguments {sorted(kwargs)}")
         return self._run(self._requests(prompts, sampling_params, lora_request), use_tqdm)
+
+    def generate_stream(self, prompts, sampling_params=None, *,
+                        lora_request=None) -> Iterator[TokenDelta]:
+        """`generate`, yielding each sample's new tokens and text as the engine produces them.
+
+        A flexrollout extension (vLLM's offline `LLM` does not stream). Arguments as `generate`'s,
+        checked now rather than at the first item. Each `TokenDelta` names its prompt
+        (`request_index`) and sample (`index`); a sample's deltas' texts join to its final text
+        (see `DeltaStream` for what is held back), and the delta that ends a prompt's last sample
+        carries that prompt's `RequestOutput`, as `generate` would return it. Leaving the loop
+        early (break, close) drops the unfinished work; until the iterator is exhausted or
+        closed, the engine takes no other call.
+        """
+        requests = self._requests(prompts, sampling_params, lora_request)
+        per_request = self._sequences(requests)
+        return self._stream(DeltaStream(requests, per_request, self.tokenizer),
+                            self._groups(per_request))
+
+    def _stream(self, stream: DeltaStream, groups: list[list[Sequence]]) -> Iterator[TokenDelta]:
+        for _ in self.llm_engine.steps(groups):
+            yield from stream.deltas()
 
     def chat(self, messages, sampling_params=None, use_tqdm=True, lora_request=None,
              chat_template=None, add_generation_prompt=True, continue_final_message=False,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -190,19 +191,32 @@ class LLMEngine:
     @_on_engine_device
     def run(self, groups: list[list[Sequence]], on_finish=None) -> None:
         """Generate every sequence of `groups` to completion."""
+        for _ in self.steps(groups, on_finish):
+            pass
+
+    def steps(self, groups: list[list[Sequence]], on_finish=None) -> Iterator[None]:
+        """`run` one engine step per iteration, so a caller can read the sequences' new tokens
+        between steps (streaming). Closing the iterator early drops the unfinished sequences."""
         if not self.cache.allocated:
             raise RuntimeError("the KV cache is asleep; call wake_up() (or wake_up(tags=['kv_cache']))")
+        if self.scheduler.has_work():
+            raise RuntimeError("the engine is still running an unfinished generate_stream; "
+                               "exhaust or close it first")
         for group in groups:
             for part in self._fitting_groups(group):
                 self.scheduler.add_group(part)
         try:
             while self.scheduler.has_work():
-                self.step(on_finish)
-            self._drain(on_finish)       # steps computed only past stops: discarded
+                with device_scope(self.device):     # a streaming caller may switch devices
+                    self.step(on_finish)
+                yield
+            with device_scope(self.device):
+                self._drain(on_finish)       # steps computed only past stops: discarded
         except BaseException:
-            # Leave nothing of this call behind: the next call must start clean. An unread
-            # step is dropped without waiting (after a device error waiting would raise again);
-            # stream order keeps its writes ahead of anything the next call launches.
+            # Leave nothing of this call behind (an error, or a stream closed early: GeneratorExit):
+            # the next call must start clean. An unread step is dropped without waiting (after a
+            # device error waiting would raise again); stream order keeps its writes ahead of
+            # anything the next call launches.
             self._pending = None
             self.scheduler.abort_all()
             raise
