@@ -45,6 +45,19 @@ def project_4bit(x: torch.Tensor, weight: torch.Tensor, quant_state,
     return F.linear(x, dequantize_4bit(weight, quant_state, x.dtype), bias)
 
 
+def quant_state_bytes(weight: torch.Tensor) -> int:
+    """Bytes of a 4-bit weight's quant state, read with its packed bytes by every projection:
+    absmax (uint8 codes when nested, with the second level's fp32 absmax, code and offset) and
+    the 16-entry code. 0 for an ordinary tensor."""
+    state = quant_state_of(weight)
+    if state is None:
+        return 0
+    tensors = [state.absmax, state.code]
+    if state.nested:
+        tensors += [state.state2.absmax, state.state2.code, state.offset]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 def logical_shape(weight: torch.Tensor) -> tuple[int, ...]:
     """A weight's (out, in) shape: the quant state's for a packed 4-bit weight."""
     state = quant_state_of(weight)
