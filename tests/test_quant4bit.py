@@ -147,6 +147,19 @@ def test_merged_lora_mode_refuses_a_4bit_base():
     assert llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
+
+def test_vllm_quantization_bitsandbytes_argument():
+    """TRL passes quantization='bitsandbytes' for a 4-bit model: accepted there, refused (naming
+    it) over 16-bit weights, which flexrollout never quantises."""
+    model, tok = _model()
+    llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=2, quantization="bitsandbytes")
+    assert llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    plain, tok = make_tiny_model("llama", seed=4)
+    with pytest.raises(ValueError, match="quantization='bitsandbytes'"):
+        LLM(plain, tokenizer=tok, max_model_len=64, quantization="bitsandbytes")
+    assert LLM(plain, tokenizer=tok, max_model_len=64, max_num_seqs=2).generate(
+        [{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
 # -- the small-batch 4-bit kernel (kernels/gemv_4bit.py) -------------------------------------
 # Run by Triton's interpreter on CPU in a fresh process (TRITON_INTERPRET must be set before the
 # kernel is built); on CUDA by the gpu-marked test below. Always against bitsandbytes' own
