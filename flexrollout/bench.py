@@ -4,6 +4,9 @@ sizes (the presets) or on a real model (`--model`, on CPU the embedded SmolLM2-1
 Decode is memory-bound: a step reads every weight once plus the KV of every running sequence,
 so roofline tok/s = batch x bandwidth / (weight bytes + KV bytes read per step). The bandwidth
 is measured in the same process (a large copy on the same device, bytes read + written).
+With `--quantization` (bitsandbytes 4-bit) the weight bytes are the packed nibbles plus their
+quant states: what a step reads when every projection runs the 4-bit kernel (batches of more than
+`gemv_4bit.MAX_ROWS` rows also write and read a transient dequantised weight per projection).
 """
 from __future__ import annotations
 
@@ -128,6 +131,50 @@ def bytes_per_step(llm, model, batch: int, context: float) -> float:
         for state in spec.states:              # a linear-attention layer reads and writes its state
             total += 2 * batch * torch.Size(state.shape).numel() * torch.empty((), dtype=state.dtype).element_size()
     return total
+
+
+# --quantization: bitsandbytes' 4-bit formats, and the architectures whose projections the
+# engine runs over Linear4bit (every decoder nn.Linear a q/k/v/o/gate/up/down projection).
+QUANTIZATIONS = {"bnb-nf4": "nf4", "bnb-fp4": "fp4"}
+QUANTIZABLE_ARCHS = ("llama", "qwen3")
+QUANT_EXTRA_HINT = ("--quantization needs bitsandbytes: install flexrollout with its [quant] extra "
+                    "(pip install '.[quant]' in the repository)")
+
+
+def quantize_4bit(model, quant_type: str):
+    """Replace every nn.Linear of the decoder layers by a bitsandbytes Linear4bit holding its
+    weight quantised in place on its device, with double quantisation and the model's dtype as
+    compute dtype: what a QLoRA load (BitsAndBytesConfig(load_in_4bit=True,
+    bnb_4bit_use_double_quant=True)) leaves, without a hub checkpoint. Embeddings and the LM head
+    stay 16-bit, as they do there. Each layer's 16-bit weight is freed as it is replaced."""
+    import bitsandbytes as bnb
+
+    for layer in model.model.layers:
+        for parent in list(layer.modules()):
+            for name, linear in list(parent.named_children()):
+                if type(linear) is not torch.nn.Linear:
+                    continue
+                weight = linear.weight
+                q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                      compute_dtype=weight.dtype, quant_type=quant_type,
+                                      compress_statistics=True, device="meta")
+                q.weight = bnb.nn.Params4bit(weight.data, requires_grad=False, quant_type=quant_type,
+                                             compress_statistics=True)
+                q.bias = linear.bias
+                q = q.to(weight.device)              # quantises
+                # On CPU bitsandbytes' forward (the HF baseline) would otherwise repack the
+                # weight in place into a layout only its own kernel reads.
+                q.support_avx512bf16_for_cpu = False
+                setattr(parent, name, q)
+    return model
+
+
+def parameter_count(model) -> int:
+    """Parameters of the model as trained (a packed 4-bit byte holds two)."""
+    from .layers.quant import quant_state_of
+
+    seen = {p.data_ptr(): p.numel() * (2 if quant_state_of(p) is not None else 1) for p in model.parameters()}
+    return sum(seen.values())
 
 
 def random_model(name: str, dtype: torch.dtype, device: str, max_position_embeddings: int = 8192,
@@ -306,6 +353,16 @@ def bench(args) -> dict:
     model_len = model_length(args)
     t0 = time.perf_counter()
     model, tokenizer, result["name"] = _load_model(args, dtype, device, model_len)
+    if args.quantization:
+        from .model_files import UserError
+
+        if model.config.model_type not in QUANTIZABLE_ARCHS:
+            raise UserError(f"--quantization runs on {', '.join(QUANTIZABLE_ARCHS)} models for now, "
+                            f"not {model.config.model_type}")
+        model = quantize_4bit(model, QUANTIZATIONS[args.quantization])
+        result["quantization"] = args.quantization
+        if device == "cuda":
+            torch.cuda.empty_cache()
     if args.lora_rank:
         from peft import LoraConfig, get_peft_model
 
@@ -387,7 +444,7 @@ def bench(args) -> dict:
         tokens_s = 64 * 512 / elapsed
         row = {"workload": "prefill", "prefill_tok_s": tokens_s}
         if flops:
-            params_count = weights / torch.empty((), dtype=dtype).element_size()
+            params_count = parameter_count(model)
             row.update(matmul_TFLOPs=flops / 1e12, mfu_pct=100 * tokens_s * 2 * params_count / flops)
         rows.append(row)
         progress.update()
@@ -464,7 +521,8 @@ def table_lines(result: dict) -> list[str]:
     """The header (what ran, where) and a table with only the columns some row has."""
     threads = result.get("cpu_threads")
     where = result.get("gpu") or f"CPU, {threads} thread{'' if threads == 1 else 's'}"
-    head = [f"{result['name']} {result['dtype']} on {where}, torch {result['torch']}: "
+    quant = f" ({result['quantization']})" if result.get("quantization") else ""
+    head = [f"{result['name']} {result['dtype']}{quant} on {where}, torch {result['torch']}: "
             f"weights {result['weight_GB']:.2f} GB, copy bandwidth {result['bandwidth_GBs']:.1f} GB/s, "
             f"start-up {result['startup_s']:.1f} s",
             f"prompt {result['prompt_len']} tokens, {result['max_tokens']} new (greedy, EOS ignored)"]
@@ -526,6 +584,12 @@ def check_args(args) -> None:
         check_modules(["accelerate"], DEMO_EXTRA_HINT)
     if args.model == "embedded" or args.gguf_file:
         check_modules(["gguf"], DEMO_EXTRA_HINT)
+    if args.quantization:
+        check_modules(["bitsandbytes"], QUANT_EXTRA_HINT)
+        arch = PRESETS[args.preset]["arch"] if args.preset else None
+        if arch is not None and arch not in QUANTIZABLE_ARCHS:
+            raise UserError(f"--quantization runs on {', '.join(QUANTIZABLE_ARCHS)} presets for now, "
+                            f"not {args.preset} ({arch})")
     if args.model not in (None, "embedded"):
         check_model_path(args.model, args.gguf_file)
     for name in ("prompt_len", "max_tokens", "repeat", "hf_max_tokens", "threads"):
@@ -602,6 +666,10 @@ def add_bench_parser(p) -> None:
                         "figures on a shared machine")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--quantization", default=None, choices=sorted(QUANTIZATIONS),
+                   help="quantise the decoder's projections with bitsandbytes 4-bit (NF4 or FP4, "
+                        "double quantisation): the roofline counts the packed bytes and their "
+                        "quant states, and --compare hf times HF generate on the same 4-bit model")
     p.add_argument("--lora-rank", type=int, default=0, help="wrap the model in PEFT LoRA of this rank")
     p.add_argument("--lora-mode", default="live", choices=["live", "merged"])
     p.add_argument("--kernel-options", default=None,

@@ -10,6 +10,7 @@ from .config import EngineConfig, resolve_dtype
 from .engine.engine import LLMEngine, device_scope
 from .engine.sequence import Sequence
 from .facades import LoRAConfig
+from .layers.quant import quant_state_of
 from .lora import AdapterRegistry
 from .lora.merged import MergedLora
 from .lora_request import LoRARequest
@@ -66,6 +67,11 @@ class LLM:
         self.model, self.tokenizer, model_name = self._load(
             model, tokenizer, gguf_file, hub, dtype, self.config.device)
         hf = unwrap_peft(self.model)
+        if kwargs.get("quantization") == "bitsandbytes" and \
+                not any(quant_state_of(p) is not None for p in hf.parameters()):
+            raise ValueError("quantization='bitsandbytes' on a model without bitsandbytes 4-bit weights: "
+                             "flexrollout never quantises; load the model with "
+                             "BitsAndBytesConfig(load_in_4bit=True) instead")
         param = next(hf.parameters())
         run_dtype = resolve_dtype(dtype, param.dtype)
         if run_dtype != param.dtype:
@@ -99,7 +105,9 @@ class LLM:
         out = {}
         for name, value in kwargs.items():
             if name in _MUST_EQUAL:
-                if value != _MUST_EQUAL[name] and not (name == "quantization" and value in ("", "none")):
+                # "bitsandbytes": TRL passes it for a model loaded in 4-bit (checked in __init__)
+                harmless = name == "quantization" and value in ("", "none", "bitsandbytes")
+                if value != _MUST_EQUAL[name] and not harmless:
                     raise ValueError(f"{name}={value!r} is not supported by flexrollout "
                                      f"(supported: {_MUST_EQUAL[name]!r})")
             elif name in _RENAMED:

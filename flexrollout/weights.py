@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import torch
 
+from .layers.quant import quant_state_bytes
 from .models import unwrap_peft
 
 _PREFIXES = ("base_model.model.",)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's distinct parameter storages (tied weights counted once)."""
+    """Bytes of the model's distinct parameter storages (tied weights counted once), with the
+    quant states of bitsandbytes 4-bit weights (absmax and codes, which are not parameters)."""
     seen: dict[int, int] = {}
     for p in model.parameters():
-        seen[p.data_ptr()] = p.numel() * p.element_size()
+        seen[p.data_ptr()] = p.numel() * p.element_size() + quant_state_bytes(p)
     return sum(seen.values())
 
 

@@ -88,6 +88,7 @@ BAD_BENCH_FLAGS = [
     (["--max-tokens", "0"], "--max-tokens"),
     (["--preset", "tiny-llama", "--model", "embedded"], "--preset or --model"),
     (["--engine-args", "{async_decode: false}"], "--engine-args"),
+    (["--preset", "qwen3-30b-a3b", "--quantization", "bnb-nf4"], "--quantization runs on llama, qwen3"),
 ]
 
 
@@ -104,6 +105,45 @@ def test_bench_plot_needs_matplotlib_before_running(capsys, monkeypatch):
     monkeypatch.setattr("flexrollout.bench.bench", lambda args: pytest.fail("bench ran"))
     code, _, err = run_cli(["bench", "--device", "cpu", "--plot", "out.png"], capsys)
     assert code == cli.USER_ERROR_EXIT and "matplotlib" in err and "[bench]" in err
+
+
+def test_bench_quantization_flag(capsys, monkeypatch):
+    """--quantization parses (bnb-nf4, bnb-fp4), an unknown format is refused by name, and a
+    missing bitsandbytes is one line naming the [quant] extra, all before any model is built."""
+    parser = cli.build_parser()
+    for value in ("bnb-nf4", "bnb-fp4"):
+        assert parser.parse_args(["bench", "--preset", "qwen3-4b", "--quantization", value]).quantization == value
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--quantization", "bnb-int8"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--quantization" in err and "bnb-int8" in err and "bnb-nf4" in err
+
+    monkeypatch.setattr("flexrollout.bench.bench", lambda args: pytest.fail("bench ran"))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "bitsandbytes" else real_find_spec(name, *a, **k))
+    code, _, err = run_cli(["bench", "--device", "cpu", "--preset", "tiny-llama", "--quantization", "bnb-nf4"], capsys)
+    assert code == cli.USER_ERROR_EXIT and "missing bitsandbytes" in err and "[quant]" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+def test_bench_quantized_preset_runs_beside_hf(capsys):
+    """A 4-bit tiny preset through the whole bench on CPU: the weights it reports are the packed
+    bytes plus quant states, and HF generate ran on the same model."""
+    code, out, _ = run_cli(["bench", "--device", "cpu", "--preset", "tiny-llama", "--quantization", "bnb-fp4",
+                            "--compare", "hf", "--batch-sizes", "2", "--max-tokens", "3", "--prompt-len", "8",
+                            "--json", "-"], capsys)
+    assert code == 0 and "tiny-llama float32 (bnb-fp4) on CPU" in out
+    result = __import__("json").loads(out[out.index("{"):])
+    # tiny-llama: 2 layers of q/k/v/o (64 x 64, 32 x 64 for k/v) + gate/up/down (128 x 64), 4 bits
+    # each, a uint8 absmax per 64 values and a 256-value second level; fp32 embeddings and head.
+    linear_values = 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64)
+    packed, absmax = linear_values // 2, linear_values // 64
+    dense = 2 * 512 * 64 * 4 + (2 * 2 + 1) * 64 * 4            # embed, head, norms
+    assert packed + absmax + dense < result["weight_GB"] * 1e9 < packed + absmax + dense + 14 * 2200
+    assert result["rows"][0]["hf_tok_s"] > 0 and result["quantization"] == "bnb-fp4"
 
 
 def test_help_shows_defaults(capsys):

@@ -9,9 +9,12 @@ PEFT's forward over it is then an exact QLoRA reference.
 """
 from __future__ import annotations
 
+import os
+import textwrap
+
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import make_tiny_model, run_fresh_python
 
 from flexrollout import LLM, SamplingParams
 
@@ -142,3 +145,118 @@ def test_merged_lora_mode_refuses_a_4bit_base():
         LLM(pm, tokenizer=tok, max_model_len=64, lora_mode="merged")
     llm = LLM(pm, tokenizer=tok, max_model_len=64, max_num_seqs=2)      # live mode runs
     assert llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+
+def test_vllm_quantization_bitsandbytes_argument():
+    """TRL passes quantization='bitsandbytes' for a 4-bit model: accepted there, refused (naming
+    it) over 16-bit weights, which flexrollout never quantises."""
+    model, tok = _model()
+    llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=2, quantization="bitsandbytes")
+    assert llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    plain, tok = make_tiny_model("llama", seed=4)
+    with pytest.raises(ValueError, match="quantization='bitsandbytes'"):
+        LLM(plain, tokenizer=tok, max_model_len=64, quantization="bitsandbytes")
+    assert LLM(plain, tokenizer=tok, max_model_len=64, max_num_seqs=2).generate(
+        [{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+# -- the small-batch 4-bit kernel (kernels/gemv_4bit.py) -------------------------------------
+# Run by Triton's interpreter on CPU in a fresh process (TRITON_INTERPRET must be set before the
+# kernel is built); on CUDA by the gpu-marked test below. Always against bitsandbytes' own
+# dequantize_4bit.
+_KERNEL_CHECK = textwrap.dedent("""
+    import torch, bitsandbytes as bnb
+    from flexrollout.kernels import gemv_4bit
+    torch.manual_seed({seed})
+    n, k, m = {n}, {k}, {m}
+    x_dtype, w_dtype = torch.{x_dtype}, torch.{w_dtype}
+    packed, state = bnb.functional.quantize_4bit(torch.randn(n, k).to(w_dtype), blocksize={blocksize},
+                                                 quant_type="{quant_type}", compress_statistics={nested})
+    assert state.nested == {nested} and state.dtype == w_dtype
+    weight = bnb.functional.dequantize_4bit(packed, state).to(x_dtype)     # bitsandbytes' weight
+    x = torch.randn(m, k).to(x_dtype)
+    parts = gemv_4bit.launch(x, packed, state, split={split})
+    got, ref = parts.double().sum(0), x.double() @ weight.double().T
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < 1e-6, err                          # fp32 sums of exact products
+    # One-hot rows pick weight columns: every dequantised value, bit for bit (tail included).
+    cols = torch.linspace(0, k - 1, 16).long()
+    picked = gemv_4bit.launch(torch.eye(k)[cols].to(x_dtype), packed, state).sum(0)
+    torch.testing.assert_close(picked, weight.float().T[cols], rtol=0, atol=0)
+    out = gemv_4bit.project(x, packed, state)
+    assert out.dtype == x_dtype and out.shape == (m, n)
+""")
+
+KERNEL_CASES = [
+    # (quant_type, nested, m, n, k, x dtype, weight (quant state) dtype, blocksize, split)
+    ("nf4", True, 1, 96, 256, "bfloat16", "bfloat16", 64, "None"),
+    ("nf4", False, 5, 70, 200, "float32", "float32", 64, 2),         # K not a multiple of the tile
+    ("fp4", True, 7, 64, 330, "bfloat16", "bfloat16", 64, 2),        # blocks straddle rows
+    ("fp4", False, 16, 130, 384, "float32", "bfloat16", 64, 3),      # bf16 weights, fp32 rows
+    ("nf4", True, 3, 40, 512, "float16", "float16", 128, 4),
+    ("nf4", False, 2, 33, 130, "float16", "bfloat16", 64, 1),        # two roundings, as bnb + .to()
+]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "-".join(map(str, c[:7])))
+def test_4bit_kernel_matches_bitsandbytes_in_triton_interpreter(case):
+    pytest.importorskip("triton")
+    quant_type, nested, m, n, k, x_dtype, w_dtype, blocksize, split = case
+    run_fresh_python(_KERNEL_CHECK.format(seed=m, quant_type=quant_type, nested=nested, m=m, n=n, k=k,
+                                          x_dtype=x_dtype, w_dtype=w_dtype, blocksize=blocksize,
+                                          split=split), triton_interpret=True)
+
+
+_ENGINE_CHECK = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    import test_quant4bit as t
+    from flexrollout import LLM, SamplingParams
+    from flexrollout.layers import quant
+
+    def no_dequantise(*args):
+        raise AssertionError("a batch of at most gemv_4bit.MAX_ROWS rows dequantised a weight")
+
+    model, tok = t._model("{quant_type}", {nested})
+    reference = t.dequantized_reference(model)
+    quant.dequantize_4bit = no_dequantise
+    llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+    for prompt in t.PROMPTS:           # one at a time: prefill too stays within the kernel's rows
+        out = llm.generate([{{"prompt_token_ids": prompt}}], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == t._hf_greedy(reference, prompt, 4), prompt
+        with torch.no_grad():
+            ref = reference(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+        err = max(abs(out.prompt_logprobs[i][prompt[i]].logprob - ref[i - 1, prompt[i]].item())
+                  for i in range(1, len(prompt)))
+        assert err < 1e-4, err
+""")
+
+
+@pytest.mark.parametrize("quant_type, nested", [("nf4", True), ("fp4", False)])
+def test_engine_small_batches_run_the_4bit_kernel(quant_type, nested):
+    """Prefill and decode of single prompts (<= MAX_ROWS rows) go through the kernel, never through
+    a dequantised weight, and still match HF generate on the dequantised reference."""
+    pytest.importorskip("triton")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    run_fresh_python(_ENGINE_CHECK.format(tests=tests, quant_type=quant_type, nested=nested),
+                     triton_interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant_type, nested", [("nf4", True), ("fp4", False)])
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_4bit_kernel_on_cuda_matches_bitsandbytes(quant_type, nested, m):
+    """Qwen3-4B's q and down projection shapes, bf16, against bitsandbytes' dequantised weight."""
+    from flexrollout.kernels import gemv_4bit
+
+    torch.manual_seed(m)
+    for n, k in ((4096, 2560), (2560, 9728)):
+        packed, state = bnb.functional.quantize_4bit(torch.randn(n, k, device="cuda", dtype=torch.bfloat16),
+                                                     quant_type=quant_type, compress_statistics=nested)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        assert gemv_4bit.supported(x, state)
+        ref = x.double() @ bnb.functional.dequantize_4bit(packed, state).double().T
+        got = gemv_4bit.launch(x, packed, state).double().sum(0)
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-5

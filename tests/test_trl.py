@@ -257,6 +257,48 @@ def test_grpo_lora_smollm2(tmp_path, smollm2, monkeypatch, caplog):
     _check_logp_difference(trainer)
 
 
+def test_grpo_qlora_bitsandbytes_4bit_tiny(tmp_path, tiny_llama, monkeypatch):
+    """QLoRA as TRL users run it: a model loaded with BitsAndBytesConfig(load_in_4bit=True) and a
+    peft_config. The engine reads the trainer's packed 4-bit base in place under the live adapter."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from trl import GRPOTrainer
+
+    patch_trl()
+    model, tok = tiny_llama()
+    model.save_pretrained(tmp_path / "tiny")
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", quantization_config=quant,
+                                                 device_map="cpu", dtype=torch.float32)
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            # bitsandbytes' CPU forward would otherwise repack the weights in place for its
+            # AVX512-BF16 kernel, a layout the engine refuses (the trainer's forward runs first)
+            module.support_avx512bf16_for_cpu = False
+    peft_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+                             target_modules=["q_proj", "v_proj", "down_proj"])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_len, processing_class=tok,
+                          args=_config(tmp_path, learning_rate=1e-2), train_dataset=_tiny_dataset(),
+                          peft_config=peft_config)
+    llm = trainer.vllm_generation.llm
+    assert isinstance(llm, flexrollout.LLM) and llm.model is trainer.model
+    packed = _snapshot(trainer.model, lambda n, p: p.dtype == torch.uint8)
+    assert packed, "the base should be bitsandbytes 4-bit"
+    lora_before = _snapshot(trainer.model, lambda n, p: "lora_" in n)
+
+    gen_calls, load_calls = _train(trainer, monkeypatch)
+
+    assert trainer.state.global_step == 2
+    assert gen_calls.count >= 2 and gen_calls.tokens > 0
+    assert load_calls.count == 0
+    after = dict(trainer.model.named_parameters())
+    assert any(not torch.equal(p, after[n].detach()) for n, p in lora_before.items()), "no LoRA weight moved"
+    assert all(torch.equal(p, after[n].detach()) for n, p in packed.items())    # still packed, unchanged
+    _check_logp_difference(trainer)
+
+
 # ------------------------------------------------------------------------------------------ full FT
 
 

@@ -114,21 +114,16 @@ def test_foreign_sampling_params_are_converted():
 
 
 @pytest.mark.parametrize("kwargs, option", [
-    ({"load_in_4bit": True}, "load_in_4bit=True"),
-    ({"load_in_4bit": None}, "Unsloth's default is True"),       # omitted: Unsloth loads 4-bit
     ({"load_in_8bit": True}, "load_in_8bit"),
     ({"load_in_fp8": "block"}, "load_in_fp8"),
-    ({"quantization_config": {"load_in_4bit": True}}, "quantization_config"),
+    ({"quantization_config": {"load_in_8bit": True}}, "quantization_config"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config"),
     ({"float8_kv_cache": True}, "float8_kv_cache"),
 ])
 def test_unsupported_loads_raise_naming_the_option(kwargs, option):
     loader = Loader()
-    if kwargs.get("load_in_4bit", False) is None:
-        call = lambda: plugin.load_pretrained(loader.from_pretrained, "tiny", fast_inference=True)
-    else:
-        args = {"load_in_4bit": False, **kwargs}
-        call = lambda: plugin.load_pretrained(loader.from_pretrained, "tiny", fast_inference=True,
-                                              **args)
+    args = {"load_in_4bit": False, **kwargs}
+    call = lambda: plugin.load_pretrained(loader.from_pretrained, "tiny", fast_inference=True, **args)
     with pytest.raises(ValueError, match=option):
         call()
     assert loader.calls == []                                        # refused before loading
@@ -166,9 +161,49 @@ def test_vllm_engine_arguments_go_to_the_engine_not_to_unsloth(monkeypatch):
 
 def test_quantized_checkpoint_is_refused():
     model, tok = make_tiny_model("llama")
-    model.config.quantization_config = {"load_in_4bit": True}
-    with pytest.raises(ValueError, match="quantization_config"):
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    with pytest.raises(ValueError, match="quantization_config other than bitsandbytes 4-bit"):
         plugin.attach_engine(model, tok, {})
+
+
+class Loader4bit(Loader):
+    """Unsloth's `load_in_4bit=True` as transformers leaves it: bitsandbytes Linear4bit projections
+    (NF4, double quantisation) and a BitsAndBytesConfig on the config."""
+
+    def from_pretrained(self, *args, load_in_4bit=True, **kwargs):
+        model, tok = super().from_pretrained(*args, load_in_4bit=load_in_4bit, **kwargs)
+        if load_in_4bit:
+            from test_quant4bit import _quantize_projections
+            from transformers import BitsAndBytesConfig
+
+            _quantize_projections(model, "nf4", True)
+            model.config.quantization_config = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+        return model, tok
+
+
+@pytest.mark.parametrize("given", [True, None], ids=["load_in_4bit=True", "Unsloth's default"])
+def test_load_in_4bit_runs_the_packed_model_with_qlora(given):
+    """load_in_4bit=True (also Unsloth's default, when omitted) loads 4-bit and generates like HF
+    on the same bitsandbytes model, then with a live LoRA adapter on top (QLoRA)."""
+    pytest.importorskip("bitsandbytes")
+    loader = Loader4bit()
+    args = {} if given is None else {"load_in_4bit": given}
+    model, _ = plugin.load_pretrained(loader.from_pretrained, "tiny", fast_inference=True,
+                                      max_seq_length=128, **args)
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
+    assert _tokens(model.fast_generate) == [_hf(model, p) for p in PROMPTS]
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=ALL)).eval()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    plugin.attach_lora(pm)
+    adapted = [_hf(pm, p) for p in PROMPTS]
+    with pm.disable_adapter():
+        assert adapted != [_hf(pm, p) for p in PROMPTS], "the adapter should matter"
+    assert _tokens(pm.fast_generate, lora_request=pm.load_lora("qlora", load_tensors=True)) == adapted
 
 
 # -- LoRA ----------------------------------------------------------------------------------------

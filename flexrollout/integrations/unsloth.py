@@ -9,7 +9,9 @@ When `unsloth` has finished importing, `install()`:
   `fast_inference=False`, so vLLM is never imported), and the model gets `vllm_engine` (an
   `UnslothEngine`: a lazy flexrollout `LLM` over that model's own parameters), `fast_generate`
   and `fast_generate_batches`. `max_batch_size` is consumed here, never forwarded to
-  transformers; quantized loads (`load_in_4bit` and friends) raise a ValueError naming the option;
+  transformers. `load_in_4bit=True` (Unsloth's default, and its `-bnb-4bit` checkpoints) gives a
+  bitsandbytes 4-bit model, which the engine reads packed (`layers/quant.py`); other quantized loads
+  (`load_in_8bit`, `load_in_fp8`, non-bitsandbytes-4-bit configs) raise a ValueError naming the option;
 - wraps `get_peft_model` of the same classes: the returned model gets `load_lora` / `save_lora`
   and the engine runs over the PEFT model, reading the live adapter;
 - wraps the (Unsloth-patched) TRL `GRPOTrainer.__init__` to grow the lazy engine to the run's
@@ -56,8 +58,9 @@ _STATE = {"installed": False}
 _ENGINE_ARGS = ("enforce_eager", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs")
 _IGNORED_ARGS = ("max_loras", "use_async", "use_engine", "compilation_config", "conservativeness",
                  "max_logprobs", "return_args", "training")
-# Loads that would hand the engine quantized weights, which it cannot run yet.
-_QUANTIZED_OPTIONS = ("load_in_4bit", "load_in_8bit", "load_in_fp8")
+# Loads that would hand the engine quantized weights it cannot run yet (bitsandbytes 4-bit, Unsloth's
+# `load_in_4bit`, it runs).
+_QUANTIZED_OPTIONS = ("load_in_8bit", "load_in_fp8")
 
 
 # -- installation ----------------------------------------------------------------------------
@@ -167,11 +170,11 @@ def engine_options(sig, given: dict, max_batch_size=None) -> dict:
         if value(name, False):
             raise ValueError(
                 f"{name}={value(name)!r} with fast_inference=True is not supported by flexrollout "
-                f"yet (it runs 16-bit weights); pass {name}=False"
-                + (" (Unsloth's default is True)" if name not in given else ""))
-    if value("quantization_config") is not None:
-        raise ValueError("quantization_config with fast_inference=True is not supported by "
-                         "flexrollout yet (it runs 16-bit weights); drop quantization_config")
+                f"yet (it runs 16-bit and bitsandbytes 4-bit weights); pass {name}=False")
+    if not _runs_quantization(value("quantization_config")):
+        raise ValueError("quantization_config with fast_inference=True: flexrollout runs only "
+                         "bitsandbytes 4-bit (load_in_4bit=True) among quantized weights; drop "
+                         "quantization_config or make it a 4-bit BitsAndBytesConfig")
     if value("float8_kv_cache", False):
         raise ValueError("float8_kv_cache=True is not supported by flexrollout (its KV cache is in "
                          "the model's dtype); pass float8_kv_cache=False")
@@ -190,6 +193,18 @@ def engine_options(sig, given: dict, max_batch_size=None) -> dict:
     }
     options.update({name: given[name] for name in _ENGINE_ARGS[:3] if name in given})
     return options
+
+
+def _runs_quantization(config) -> bool:
+    """No quantization, or bitsandbytes 4-bit (a BitsAndBytesConfig or its dict): what the
+    engine runs. Anything else (8-bit, fp8, GPTQ, ...) it cannot."""
+    if config is None:
+        return True
+    get = config.get if isinstance(config, dict) else functools.partial(getattr, config)
+    method = get("quant_method", "bitsandbytes")
+    method = getattr(method, "value", method)               # an enum in transformers' configs
+    return method == "bitsandbytes" and bool(get("load_in_4bit", False)) \
+        and not get("load_in_8bit", False)
 
 
 def _positive_int(name: str, value):
@@ -304,10 +319,11 @@ def _as_flexrollout(sampling_params):
 def attach_engine(model, tokenizer, options: dict) -> UnslothEngine:
     """Give a loaded HF model Unsloth's fast_inference attributes, served by flexrollout."""
     config = getattr(model, "config", None)
-    if getattr(config, "quantization_config", None) is not None:
+    if not _runs_quantization(getattr(config, "quantization_config", None)):
         raise ValueError(
             f"{getattr(config, '_name_or_path', 'the model')} loaded with a quantization_config "
-            f"(a pre-quantized checkpoint?); fast_inference=True on flexrollout needs 16-bit weights")
+            f"other than bitsandbytes 4-bit (a pre-quantized checkpoint?); fast_inference=True on "
+            f"flexrollout needs 16-bit or bitsandbytes 4-bit weights")
     tok = getattr(tokenizer, "tokenizer", tokenizer)      # a multimodal processor's tokenizer
     engine = UnslothEngine(model, tok, options)
     model.vllm_engine = engine

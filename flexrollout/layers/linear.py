@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..kernels import small_linear as gemv
 from ..lora.live import active_adapters
-from .quant import dequantize_4bit, quant_state_of
+from .quant import project_4bit, quant_state_of
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def read_linear(module: torch.nn.Module, merged=None) -> Linear:
 def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Tensor:
     """x @ W^T + b + sum(scaling * B (A x)) for (T, in) rows."""
     if p.quant is not None:
-        out = F.linear(x, dequantize_4bit(p.weight, p.quant, x.dtype), p.bias)
+        out = project_4bit(x, p.weight, p.quant, p.bias)
     else:
         out = gemv.project(x, p.weight, p.bias, gemv.MAX_ROWS if kernels.small else 0, kernels.pdl)
     if p.unmerged is not None and p.live_mask is not None:

@@ -2,14 +2,19 @@
 
 A `Linear4bit` layer's weight is a `Params4bit`: packed uint8 nibbles with a `quant_state`
 (per-block absmax, nested when double-quantised, the 16-entry code, the original shape and
-compute dtype). The projection dequantises the weight with bitsandbytes' own op into a transient
-tensor and multiplies, as bitsandbytes' forward does for more than one row: nothing is stored
-beside the packed weights, and the transient lives only for that projection. bitsandbytes is
-imported only when such a model arrives.
+compute dtype). Small batches (decode: at most `gemv_4bit.MAX_ROWS` rows, on CUDA) run the
+Triton kernel of `kernels/gemv_4bit.py`, which dequantises in registers and writes no weight.
+Larger ones dequantise the weight with bitsandbytes' own op into a transient tensor and
+multiply, as bitsandbytes' forward does for more than one row: nothing is stored beside the
+packed weights, and the transient lives only for that projection. bitsandbytes is imported only
+when such a model arrives.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from ..kernels import gemv_4bit
 
 
 def quant_state_of(weight: torch.Tensor):
@@ -30,6 +35,27 @@ def dequantize_4bit(weight: torch.Tensor, quant_state, dtype: torch.dtype) -> to
     from bitsandbytes.functional import dequantize_4bit as dequantize
 
     return dequantize(weight, quant_state).to(dtype)
+
+
+def project_4bit(x: torch.Tensor, weight: torch.Tensor, quant_state,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T + b for a packed 4-bit weight, in x's dtype."""
+    if gemv_4bit.supported(x, quant_state):
+        return gemv_4bit.project(x, weight, quant_state, bias)
+    return F.linear(x, dequantize_4bit(weight, quant_state, x.dtype), bias)
+
+
+def quant_state_bytes(weight: torch.Tensor) -> int:
+    """Bytes of a 4-bit weight's quant state, read with its packed bytes by every projection:
+    absmax (uint8 codes when nested, with the second level's fp32 absmax, code and offset) and
+    the 16-entry code. 0 for an ordinary tensor."""
+    state = quant_state_of(weight)
+    if state is None:
+        return 0
+    tensors = [state.absmax, state.code]
+    if state.nested:
+        tensors += [state.state2.absmax, state.state2.code, state.offset]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def logical_shape(weight: torch.Tensor) -> tuple[int, ...]:
