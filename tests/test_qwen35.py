@@ -321,6 +321,39 @@ def test_trl_grpo_lora_on_linear_attention(tmp_path, monkeypatch, arch):
     _check_logp_difference(trainer)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_unsloth_fast_generate_with_live_lora_on_linear_attention(arch, hf_greedy):
+    """Unsloth's loader (stood in for, as in test_unsloth.py) with fast_inference=True, then PEFT on
+    GatedDeltaNet and attention projections: fast_generate gives HF's greedy tokens for the base
+    model, PEFT's with the live adapter's request, and the base model's again without a request."""
+    from peft import LoraConfig, get_peft_model
+
+    from flexrollout.integrations import unsloth as plugin
+
+    def from_pretrained(model_name="x", max_seq_length=2048, load_in_4bit=True, fast_inference=False):
+        return make_tiny_qwen35(arch, seed=6)
+
+    model, _ = plugin.load_pretrained(from_pretrained, "tiny", max_seq_length=128, load_in_4bit=False,
+                                      fast_inference=True)
+
+    def tokens(m, **kwargs):
+        return _tokens(m.fast_generate(_prompts(MIXED[:2]), GREEDY, use_tqdm=False, **kwargs))
+
+    base = [hf_greedy(model, p, 10).tokens for p in MIXED[:2]]
+    assert tokens(model) == base
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                          target_modules=["q_proj", "in_proj_qkv", "in_proj_z", "out_proj"])).eval()
+    with torch.no_grad():
+        for name, param in pm.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(1)))
+    plugin.attach_lora(pm)
+    adapted = [hf_greedy(pm, p, 10).tokens for p in MIXED[:2]]
+    assert adapted != base, "the adapter should change tokens"
+    assert tokens(pm, lora_request=pm.load_lora("grpo_trainer_lora_model", load_tensors=True)) == adapted
+    assert tokens(pm) == base                     # Unsloth's rule: no request, the base model
+
+
 def test_lora_request_on_linear_attention_matches_peft(tmp_path):
     """A saved adapter that adapts GatedDeltaNet projections, given by LoRARequest over the base
     model, equals PEFT's model loaded from that directory; rows without it run the base."""
