@@ -22,6 +22,10 @@
 #   final : Qwen3-4B decode at 1 / 8 / 64 + GRPO, then the GPU parity and kernel tests
 #   hybrid : (carry .whl with fla + bitsandbytes) the Gemma-4 / Qwen3.5 / 4-bit GPU tests, Qwen3-4B decode
 #            1 / 8 / 64 + GRPO (regression check), Gemma-4-E2B and Qwen3.5-4B decode 1 / 8 / 64
+#   recheck : (carry .whl) what the 2026-12-04 second session could not re-run: the Qwen3.5 real-width
+#             tests after the flex-stage fix, Qwen3.5-4B decode after the KV cap, the 4-bit kernel test
+#             and Qwen3-4B NF4 decode, Qwen3-4B GRPO best of 3 (full 512 tokens now)
+#   gemma : Gemma-4-E2B decode profile at batch 1, the bf16 graphs-vs-eager test, 26B-A4B / 31B decode
 #   unsloth : benchmarks/unsloth_grpo.py (carry .whl-unsloth, made by benchmarks/unsloth_wheels.sh)
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
@@ -149,6 +153,25 @@ hybrid)
     bench 90 --preset $preset --batch-sizes 1,8,64 --workload decode --json "$out/$preset.json" | tail -5 > "$out/$preset.txt"
   done
   names="gpu tests qwen3-4b gemma-4-e2b qwen3.5-4b" ;;
+recheck)
+  timeout 170 python3 -m pytest -q -m gpu tests/test_qwen35.py tests/test_quant4bit.py 2>&1 | filter \
+    | tail -8 > "$out/tests.txt"
+  bench 150 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 16 \
+    --json "$out/qwen3.5-4b.json" | tail -6 > "$out/qwen3.5-4b.txt"
+  bench 120 --preset qwen3-4b --batch-sizes 1,8 --quantization bnb-nf4 --compare hf --hf-max-tokens 16 \
+    --json "$out/nf4.json" | tail -5 > "$out/nf4.txt"
+  bench 100 --preset qwen3-4b --batch-sizes 1 --workload grpo --repeat 3 --json "$out/grpo.json" \
+    | tail -3 > "$out/grpo.txt"
+  names="gpu tests qwen3.5-4b nf4 grpo" ;;
+gemma)
+  timeout 150 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 2>&1 | filter | head -30 \
+    > "$out/profile.txt"
+  timeout 200 python3 -m pytest -q -m gpu tests/test_gemma4.py -k bf16_graphs 2>&1 | filter | tail -4 > "$out/tests.txt"
+  for preset in gemma-4-26b-a4b gemma-4-31b; do
+    bench 200 --preset $preset --batch-sizes 1,8 --workload decode --gpu-memory-utilization 0.6 \
+      --json "$out/$preset.json" | tail -4 > "$out/$preset.txt"
+  done
+  names="gpu profile tests gemma-4-26b-a4b gemma-4-31b" ;;
 lora32)
   lora32
   names="gpu lora32" ;;
