@@ -243,7 +243,7 @@ def _peft_qwen35(arch: str, seed: int = 2):
 
     model, tok = make_tiny_qwen35(arch, seed=seed)
     targets = ["q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
-               "down_proj"]
+               "gate_proj", "down_proj", "shared_expert_gate"]
     pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
                                           init_lora_weights=False)).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -354,17 +354,19 @@ def test_unsloth_fast_generate_with_live_lora_on_linear_attention(arch, hf_greed
     assert tokens(pm) == base                     # Unsloth's rule: no request, the base model
 
 
-def test_lora_request_on_linear_attention_matches_peft(tmp_path):
-    """A saved adapter that adapts GatedDeltaNet projections, given by LoRARequest over the base
-    model, equals PEFT's model loaded from that directory; rows without it run the base."""
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_request_on_linear_attention_matches_peft(tmp_path, arch):
+    """A saved adapter that adapts GatedDeltaNet projections (and, in the MoE, the shared expert
+    and its gate), given by LoRARequest over the base model, equals PEFT's model loaded from that
+    directory; rows without it run the base."""
     from peft import PeftModel
 
     from flexrollout import LoRARequest
 
-    pm, tok = _peft_qwen35("dense", seed=5)
+    pm, tok = _peft_qwen35(arch, seed=5)
     pm.save_pretrained(str(tmp_path / "adapter"))
-    base, _ = make_tiny_qwen35("dense", seed=5)
-    reference = PeftModel.from_pretrained(make_tiny_qwen35("dense", seed=5)[0], str(tmp_path / "adapter")).eval()
+    base, _ = make_tiny_qwen35(arch, seed=5)
+    reference = PeftModel.from_pretrained(make_tiny_qwen35(arch, seed=5)[0], str(tmp_path / "adapter")).eval()
     prompt = MIXED[2]
     llm = tiny_llm(base, tok)
     request = LoRARequest("saved", 1, str(tmp_path / "adapter"))

@@ -21,7 +21,8 @@ import torch
 
 from ..lora_request import LoRARequest
 
-_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|linear_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# layers.N.<the projection's path inside its layer>.lora_A|B[.adapter].weight
+_KEY = re.compile(r"layers\.(\d+)\.([\w.]+?)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 # PEFT nests one ParamWrapper per adapted expert parameter; each level adds a `base_layer.`.
 # (Gemma-4 keeps its experts beside the MLP, `layers.N.experts`, not under it.)
 _EXPERT_KEY = re.compile(r"layers\.(\d+)\.(?:mlp\.)?experts\.((?:base_layer\.)*)lora_([AB])(?:\.[\w-]+)?\.weight$")
@@ -38,6 +39,9 @@ class Targets:
     # (layer, projection name) -> (out, in) where a layer's projection differs from `linear`
     # (Gemma-4's full-attention layers have a wider head; its KV-sharing layers a wider MLP).
     layers: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
+    # A projection's module path inside its decoder layer -> its name here ("self_attn.q_proj" ->
+    # "q_proj", Qwen3.5-MoE's "mlp.shared_expert.gate_proj" -> "shared_gate_proj").
+    paths: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -139,7 +143,7 @@ def _target_of(key: str, cfg: dict, targets: Targets, num_layers: int, where: st
         if match is None:
             raise ValueError(f"{where}: unexpected tensor {key!r} (only LoRA A/B of "
                              f"{sorted(targets.linear) + sorted(targets.experts)})")
-        layer, name, which = int(match.group(1)), match.group(2), match.group(3)
+        layer, name, which = int(match.group(1)), targets.paths.get(match.group(2)), match.group(3)
         if name not in targets.linear:
             raise ValueError(f"{where}: tensor {key!r} names no projection of this model")
     if layer >= num_layers:

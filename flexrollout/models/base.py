@@ -18,6 +18,7 @@ functions serve the plain, live-LoRA and merged-LoRA paths.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -33,6 +34,9 @@ from ..layers.quant import logical_shape
 from ..layers.rope import tables_from_rotary
 from ..lora.adapters import Targets
 from ..spec import ATTENTION, LayerSpec, ModelSpec
+
+# A module's name up to its decoder layer ("model.layers.3."), whatever wraps the layers.
+_LAYER_PREFIX = re.compile(r"^(?:.*\.)?layers\.\d+\.")
 
 
 @dataclass(frozen=True)
@@ -193,19 +197,21 @@ class DecoderForward:
         """What a LoRARequest adapter may adapt: each projection's (out, in) (from the first
         layer that has it, and per layer where a layer's differs) and each stacked expert
         parameter's (experts, out, in)."""
-        linear_shapes, layer_shapes, expert_shapes = {}, {}, {}
+        linear_shapes, layer_shapes, expert_shapes, paths = {}, {}, {}, {}
+        module_names = {id(m): n for n, m in self.hf.named_modules()}
         for i in range(len(self.spec.layers)):
             for name, module in self.projections(i).items():
                 if name in self.LORA_TARGETS:
                     shape = logical_shape(getattr(module, "base_layer", module).weight)
                     if linear_shapes.setdefault(name, shape) != shape:
                         layer_shapes[(i, name)] = shape
+                    paths[_LAYER_PREFIX.sub("", module_names[id(module)], count=1)] = name
             experts = self.experts[i]
             if experts is not None and not expert_shapes:
                 expert_shapes = {f"experts.{name}": _math_shape(stack, experts.transposed)
                                  for name, stack in (("gate_up_proj", experts.gate_up),
                                                      ("down_proj", experts.down))}
-        return Targets(linear_shapes, expert_shapes, layer_shapes)
+        return Targets(linear_shapes, expert_shapes, layer_shapes, paths)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache) -> torch.Tensor:
         """input_ids (T,) -> final hidden states (T, hidden)."""

@@ -96,7 +96,8 @@ def out_shared_moe(attn: torch.Tensor, residual: torch.Tensor, o: Linear, ln_w: 
 
 # -- the architecture -----------------------------------------------------------------------------
 class Qwen3_5Forward(DecoderForward):
-    LORA_TARGETS = ATTENTION_PROJECTIONS + LINEAR_PROJECTIONS + MLP_PROJECTIONS
+    LORA_TARGETS = ATTENTION_PROJECTIONS + LINEAR_PROJECTIONS + MLP_PROJECTIONS + (
+        "shared_gate_proj", "shared_up_proj", "shared_down_proj", "shared_expert_gate")
     NORM = OFFSET
 
     def __init__(self, hf_model: torch.nn.Module, dtype: torch.dtype, merged=None,
