@@ -203,8 +203,12 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm=True, lora_request=None,
              chat_template=None, add_generation_prompt=True, continue_final_message=False,
-             chat_template_kwargs=None, tools=None, **kwargs) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list, then generate."""
+             chat_template_kwargs=None, tools=None, chat_template_content_format="auto",
+             mm_processor_kwargs=None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list, then generate.
+
+        vLLM's signature; `chat_template_content_format` and `mm_processor_kwargs` concern image
+        and audio content, which flexrollout does not take, and change nothing for text."""
         prompts = chat_prompts(messages, self.tokenizer, chat_template=chat_template,
                                add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, tools=tools,

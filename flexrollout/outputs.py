@@ -104,12 +104,13 @@ def request_output(request: Request, seqs: list[Sequence]) -> RequestOutput:
     completions = [CompletionOutput(
         index=s.sample_index, text=s.text, token_ids=s.generated_ids,
         cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-        logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-        for s in seqs]
+        logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+        lora_request=request.lora_request) for s in seqs]
     return RequestOutput(
         request_id=str(seqs[0].seq_id), prompt=request.prompt.text,
         prompt_token_ids=request.prompt.token_ids, prompt_logprobs=seqs[0].prompt_logprobs,
-        outputs=completions, finished=True, num_cached_tokens=max(s.num_cached for s in seqs))
+        outputs=completions, finished=True, lora_request=request.lora_request,
+        num_cached_tokens=max(s.num_cached for s in seqs))
 
 
 @dataclass

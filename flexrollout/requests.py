@@ -25,6 +25,7 @@ class Request:
     params: SamplingParams
     max_tokens: int                 # params.max_tokens capped at what max_model_len leaves
     adapter: object | None = None   # the Adapter a LoRARequest named; None: the model's own LoRA
+    lora_request: LoRARequest | None = None     # as given, echoed in the outputs as vLLM does
 
 
 def parse_requests(prompts, sampling_params, lora_request, engine, tokenizer,
@@ -36,8 +37,9 @@ def parse_requests(prompts, sampling_params, lora_request, engine, tokenizer,
     parsed = [to_prompt(p, tokenizer, i) for i, p in enumerate(items)]
     requests = [make_request(i, prompt, sp, engine, tokenizer)
                 for i, (prompt, sp) in enumerate(zip(parsed, params))]
-    for request, adapter in zip(requests, load_adapters(lora_requests(lora_request, len(items)))):
-        request.adapter = adapter
+    per_row = lora_requests(lora_request, len(items))
+    for request, given, adapter in zip(requests, per_row, load_adapters(per_row)):
+        request.lora_request, request.adapter = given, adapter
     return requests
 
 

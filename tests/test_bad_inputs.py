@@ -120,6 +120,13 @@ def test_unknown_sampling_params_kwarg():
         SamplingParams(temperature=0.0, bogus_option=1)
 
 
+def test_chat_rejects_unknown_keyword(engine):
+    """vLLM's chat takes no **kwargs: a misspelt option is an error, not silently dropped."""
+    conversation = [{"role": "user", "content": "t5 t6"}]
+    engine.rejects(TypeError, r"add_generation_promt",
+                   lambda: engine.llm.chat(conversation, _greedy(), use_tqdm=False, add_generation_promt=False))
+
+
 @pytest.mark.parametrize("messages", ["t5 t6", ["t5", "t6"]], ids=["bare-string", "list-of-strings"])
 def test_chat_rejects_non_conversation(engine, hf_greedy, messages):
     engine.rejects(TypeError, r"messages", lambda: engine.llm.chat(messages, _greedy(), use_tqdm=False))

@@ -95,6 +95,10 @@ def test_lora_request_from_dir_and_mixed_batch(saved_adapter):
     assert mixed == [reference[0], plain[1], reference[2]]
     assert _gen(llm) == plain                       # no adapter, no change to the base
     assert llm.list_loras() == {1}
+    # Each output names the request it ran with, as vLLM's do.
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
+                        lora_request=[None, request, None])
+    assert [(o.lora_request, o.outputs[0].lora_request) for o in outs] == [(None, None), (request, request), (None, None)]
 
 
 def test_lora_request_in_memory_tensors(saved_adapter):
