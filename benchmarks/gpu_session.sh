@@ -24,7 +24,7 @@
 #            1 / 8 / 64 + GRPO (regression check), Gemma-4-E2B and Qwen3.5-4B decode 1 / 8 / 64
 #   recheck : (carry .whl) what the 2026-12-04 second session could not re-run: the Qwen3.5 real-width
 #             tests after the flex-stage fix, Qwen3.5-4B decode after the KV cap, the 4-bit kernel test
-#             and Qwen3-4B NF4 decode, Qwen3-4B GRPO best of 3 (full 512 tokens now)
+#             and Qwen3-4B NF4 decode, the MoE GPU tests (new LoRA op), Qwen3-4B GRPO best of 2 (512 tokens now)
 #   gemma : Gemma-4-E2B decode profile at batch 1, the bf16 graphs-vs-eager test, 26B-A4B / 31B decode
 #   unsloth : benchmarks/unsloth_grpo.py (carry .whl-unsloth, made by benchmarks/unsloth_wheels.sh)
 out=${1:-/tmp/flexrollout-gpu}
@@ -154,13 +154,13 @@ hybrid)
   done
   names="gpu tests qwen3-4b gemma-4-e2b qwen3.5-4b" ;;
 recheck)
-  timeout 170 python3 -m pytest -q -m gpu tests/test_qwen35.py tests/test_quant4bit.py 2>&1 | filter \
+  timeout 230 python3 -m pytest -q -m gpu tests/test_qwen35.py tests/test_quant4bit.py tests/test_moe.py 2>&1 | filter \
     | tail -8 > "$out/tests.txt"
   bench 150 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 16 \
     --json "$out/qwen3.5-4b.json" | tail -6 > "$out/qwen3.5-4b.txt"
-  bench 120 --preset qwen3-4b --batch-sizes 1,8 --quantization bnb-nf4 --compare hf --hf-max-tokens 16 \
+  bench 110 --preset qwen3-4b --batch-sizes 1,8 --quantization bnb-nf4 --compare hf --hf-max-tokens 16 \
     --json "$out/nf4.json" | tail -5 > "$out/nf4.txt"
-  bench 100 --preset qwen3-4b --batch-sizes 1 --workload grpo --repeat 3 --json "$out/grpo.json" \
+  bench 90 --preset qwen3-4b --batch-sizes 1 --workload grpo --repeat 2 --json "$out/grpo.json" \
     | tail -3 > "$out/grpo.txt"
   names="gpu tests qwen3.5-4b nf4 grpo" ;;
 gemma)
