@@ -154,7 +154,8 @@ hybrid)
   done
   names="gpu tests qwen3-4b gemma-4-e2b qwen3.5-4b" ;;
 recheck)
-  timeout 230 python3 -m pytest -q -m gpu tests/test_qwen35.py tests/test_quant4bit.py tests/test_moe.py 2>&1 | filter \
+  timeout 230 python3 -m pytest -q -m gpu tests/test_qwen35.py tests/test_quant4bit.py \
+    tests/test_gpu.py -k "qwen35 or quant4bit or moe_graphs or moe_expert_lora" 2>&1 | filter \
     | tail -8 > "$out/tests.txt"
   bench 150 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 16 \
     --json "$out/qwen3.5-4b.json" | tail -6 > "$out/qwen3.5-4b.txt"
