@@ -124,6 +124,10 @@ class LLMEngine:
                     "%d layers hold KV)", num_pages - 1, self.page_size,
                     (num_pages - 1) * self.page_size, num_pages * page_bytes / 2**20,
                     page_bytes // self.page_size // 1024, owning, len(self.spec.layers))
+        states = KVCache.state_bytes(self.spec.layers, self.num_slots)
+        if states:
+            logger.info("per-sequence states (linear attention): %.1f MiB for %d slots",
+                        states / 2**20, self.num_slots)
 
     # -- sizing ------------------------------------------------------------------------------
     def _num_pages(self, dtype: torch.dtype) -> int:
@@ -144,12 +148,16 @@ class LLMEngine:
             own = int(total * cfg.gpu_memory_utilization) - self.owned_weight_bytes
             # Activations, logits and graph pools need room beyond the cache.
             margin = 2 * 2**30 + cfg.max_num_seqs * self.spec.vocab_size * 4 * 4
-            budget = min(own, free) - margin - KVCache.state_bytes(self.spec.layers, self.num_slots)
-            pages = budget // page_bytes
+            states = KVCache.state_bytes(self.spec.layers, self.num_slots)
+            pages = (min(own, free) - margin - states) // page_bytes
             if pages < 2:
+                # Linear-attention states are per batch slot: a hybrid model's can fill the GPU.
+                held = (f" (the linear-attention layers' per-sequence states take "
+                        f"{states / 2**30:.1f} GiB at max_num_seqs={cfg.max_num_seqs}: lower it)"
+                        if states else "")
                 raise ValueError(
                     f"no GPU memory left for the KV cache at gpu_memory_utilization="
-                    f"{cfg.gpu_memory_utilization}; raise it or set num_kv_pages")
+                    f"{cfg.gpu_memory_utilization}{held}; raise it or set num_kv_pages")
             if pages + 1 > cap:
                 logger.info("KV cache capped at %d pages (of %d that fit): one layer's K/V tensor "
                             "stays under 2^31 elements", cap - 1, pages)
