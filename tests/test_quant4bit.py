@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import make_tiny_model, run_fresh_python
+from conftest import make_tiny_model, make_tiny_moe, run_fresh_python
 
 from flexrollout import LLM, SamplingParams
 
@@ -25,26 +25,29 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 FORMATS = [("nf4", True), ("nf4", False), ("fp4", False)]
 
 
+def _children_of_type(model, kind):
+    """(parent, name, child) for every child of type `kind` inside the decoder layers."""
+    return [(parent, name, child) for layer in model.model.layers for parent in layer.modules()
+            for name, child in list(parent.named_children()) if type(child) is kind]
+
+
 def _quantize_projections(model, quant_type: str, double_quant: bool):
-    """Replace every decoder-layer nn.Linear by a bitsandbytes Linear4bit holding its weight."""
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, lin in list(parent.named_children()):
-                if type(lin) is not torch.nn.Linear:
-                    continue
-                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                                      compute_dtype=torch.float32, quant_type=quant_type,
-                                      compress_statistics=double_quant)
-                q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False,
-                                             quant_type=quant_type, compress_statistics=double_quant)
-                if lin.bias is not None:
-                    q.bias = torch.nn.Parameter(lin.bias.data.clone(), requires_grad=False)
-                q = q.to("cpu")                             # .to() quantises
-                # bitsandbytes' forward would otherwise repack the weight in place for its bf16
-                # CPU kernel (a layout flexrollout refuses, with a clear error)
-                q.support_avx512bf16_for_cpu = False
-                setattr(parent, name, q)
-    assert isinstance(model.model.layers[0].self_attn.q_proj.weight, bnb.nn.Params4bit)
+    """Replace every nn.Linear inside the decoder layers (attention, MLP, linear attention,
+    routers, per-layer-input gates) by a bitsandbytes Linear4bit holding its weight."""
+    for parent, name, lin in _children_of_type(model, torch.nn.Linear):
+        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                              compute_dtype=torch.float32, quant_type=quant_type,
+                              compress_statistics=double_quant)
+        q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False,
+                                     quant_type=quant_type, compress_statistics=double_quant)
+        if lin.bias is not None:
+            q.bias = torch.nn.Parameter(lin.bias.data.clone(), requires_grad=False)
+        q = q.to("cpu")                             # .to() quantises
+        # bitsandbytes' forward would otherwise repack the weight in place for its bf16
+        # CPU kernel (a layout flexrollout refuses, with a clear error)
+        q.support_avx512bf16_for_cpu = False
+        setattr(parent, name, q)
+    assert _children_of_type(model, bnb.nn.Linear4bit)
     return model.eval()
 
 
@@ -58,15 +61,12 @@ def dequantized_reference(model):
     import copy
 
     ref = copy.deepcopy(model)
-    for layer in ref.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, q in list(parent.named_children()):
-                if isinstance(q, bnb.nn.Linear4bit):
-                    lin = torch.nn.Linear(q.in_features, q.out_features, bias=q.bias is not None)
-                    lin.weight.data = bnb.functional.dequantize_4bit(q.weight.data, q.weight.quant_state).float()
-                    if q.bias is not None:
-                        lin.bias.data = q.bias.data.float()
-                    setattr(parent, name, lin)
+    for parent, name, q in _children_of_type(ref, bnb.nn.Linear4bit):
+        lin = torch.nn.Linear(q.in_features, q.out_features, bias=q.bias is not None)
+        lin.weight.data = bnb.functional.dequantize_4bit(q.weight.data, q.weight.quant_state).float()
+        if q.bias is not None:
+            lin.bias.data = q.bias.data.float()
+        setattr(parent, name, lin)
     return ref.eval()
 
 
@@ -88,9 +88,30 @@ def _hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("quant_type, double_quant", FORMATS)
-def test_4bit_greedy_and_logprobs_match_the_dequantized_reference(quant_type, double_quant, hf_greedy):
-    model, tok = _model(quant_type, double_quant)
+def _tiny(arch: str):
+    """A tiny fp32 model of `arch` (the other test files' factories), not yet quantised."""
+    if arch == "llama":
+        return make_tiny_model("llama", seed=4)
+    if arch in ("qwen3_moe", "gpt_oss"):
+        return make_tiny_moe(arch)
+    if arch.startswith("gemma4"):
+        from test_gemma4 import make_tiny_gemma4
+        return make_tiny_gemma4(arch.split("-")[1])
+    from test_qwen35 import make_tiny_qwen35
+    return make_tiny_qwen35(arch.split("-")[1])
+
+
+ARCH_CASES = [("llama", *f) for f in FORMATS] + [
+    (arch, "nf4", True) for arch in ("qwen3_moe", "gemma4-e2b", "gemma4-moe", "qwen35-dense", "qwen35-moe")]
+
+
+@pytest.mark.parametrize("arch, quant_type, double_quant", ARCH_CASES)
+def test_4bit_greedy_and_logprobs_match_the_dequantized_reference(arch, quant_type, double_quant, hf_greedy):
+    """Every nn.Linear of the decoder layers in 4-bit (Gemma-4's router and per-layer-input gates,
+    Qwen3.5's GatedDeltaNet projections and shared-expert gate included; stacked experts stay
+    16-bit, as bitsandbytes leaves them)."""
+    model, tok = _tiny(arch)
+    model = _quantize_projections(model, quant_type, double_quant)
     reference = dequantized_reference(model)
     packed = {n: p.data_ptr() for n, p in model.named_parameters() if p.dtype == torch.uint8}
     llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=4)

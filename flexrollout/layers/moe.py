@@ -29,7 +29,11 @@ SILU, GELU_TANH, GPT_OSS = "silu", "gelu_tanh", "gpt_oss"
 def route_softmax_topk(h: torch.Tensor, router_w: torch.Tensor, top_k: int, renormalize: bool):
     """Qwen3-MoE's router: fp32 softmax over the experts, top-k, optionally renormalised, cast
     back. Returns (weights (T, k), expert ids (T, k))."""
-    logits = F.linear(h, router_w)
+    return softmax_topk(F.linear(h, router_w), top_k, renormalize)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """`route_softmax_topk` from the router's logits (T, experts)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..attention.kv_cache import store_kv
 from ..layers.linear import Kernels, Linear, finish_group, linear, project_group, read_linear
 from ..layers.mlp import activation, gated_mlp
-from ..layers.moe import GELU_TANH, Experts, experts_forward, read_experts, route_softmax_topk
+from ..layers.moe import GELU_TANH, Experts, experts_forward, read_experts, softmax_topk
 from ..layers.norm import FP32, rms_norm
 from ..layers.per_layer_input import PerLayerInputBlock, per_layer_input_residual, per_layer_inputs
 from ..layers.rope import apply_rope, tables_from_rotary
@@ -70,7 +70,7 @@ class Router:
     """Gemma-4's router over the residual: weightless RMSNorm × scale × hidden^-1/2 -> proj ->
     fp32 softmax -> top-k -> renormalised -> × per_expert_scale of the chosen experts."""
 
-    proj: torch.Tensor                  # (E, hidden)
+    proj: Linear                        # hidden -> E (a 4-bit model may quantise it too)
     scale: torch.Tensor                 # (hidden,)
     per_expert_scale: torch.Tensor      # (E,)
     top_k: int
@@ -78,7 +78,7 @@ class Router:
 
 def route(hidden: torch.Tensor, router: Router, eps: float):
     h = rms_norm(hidden, None, eps) * router.scale * hidden.shape[-1] ** -0.5
-    weights, ids = route_softmax_topk(h, router.proj, router.top_k, renormalize=True)
+    weights, ids = softmax_topk(linear(h, router.proj), router.top_k, renormalize=True)
     return weights * router.per_expert_scale[ids], ids
 
 
@@ -191,6 +191,8 @@ class Gemma4Forward(DecoderForward):
         names = ("q_proj", "k_proj", "v_proj", "o_proj")
         modules = {name: getattr(attn, name) for name in names if getattr(attn, name, None) is not None}
         modules.update(gate_proj=mlp.gate_proj, up_proj=mlp.up_proj, down_proj=mlp.down_proj)
+        if self.spec.layers[index].ffn == "mlp+moe":
+            modules["router_proj"] = layer.router.proj
         if self.ple:
             modules.update(per_layer_input_gate=layer.per_layer_input_gate,
                            per_layer_projection=layer.per_layer_projection)
@@ -234,8 +236,8 @@ class Gemma4Forward(DecoderForward):
         if self.spec.layers[index].ffn != "mlp+moe":
             return args
         router = layer.router
-        routing = Router(getattr(router.proj, "base_layer", router.proj).weight, router.scale,
-                         router.per_expert_scale, self.config.top_k_experts)
+        routing = Router(lin(index, "router_proj", step), router.scale, router.per_expert_scale,
+                         self.config.top_k_experts)
         return args + (routing, self.layer_experts(index, step), layer.pre_feedforward_layernorm_2.weight,
                        layer.post_feedforward_layernorm_1.weight, layer.post_feedforward_layernorm_2.weight)
 
