@@ -102,7 +102,7 @@ def _tiny(arch: str):
 
 
 ARCH_CASES = [("llama", *f) for f in FORMATS] + [
-    (arch, "nf4", True) for arch in ("qwen3_moe", "gemma4-e2b", "gemma4-moe", "qwen35-dense", "qwen35-moe")]
+    (arch, "nf4", True) for arch in ("qwen3_moe", "gpt_oss", "gemma4-e2b", "gemma4-moe", "qwen35-dense", "qwen35-moe")]
 
 
 @pytest.mark.parametrize("arch, quant_type, double_quant", ARCH_CASES)
