@@ -106,8 +106,9 @@ def _add_low_rank(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
 
 
 def gemv_ready(p: Linear) -> bool:
-    """The GEMV kernel can stream this projection's weight."""
-    return gemv.weight_supported(p.weight)
+    """Small batches of this projection can run a GEMV kernel: the 16-bit one streams its weight,
+    or it is a 4-bit weight, which `project_4bit` routes to its own kernel."""
+    return p.quant is not None or gemv.weight_supported(p.weight)
 
 
 def project_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:

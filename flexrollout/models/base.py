@@ -287,8 +287,9 @@ class DecoderForward:
         return any(p.quant is not None for layer in self._linears for p in layer.values())
 
     def _gemv_ready(self) -> bool:
-        """Every projection's weight can be streamed by the GEMV kernel (CUDA, contiguous,
-        input width a multiple of its block)."""
+        """Every projection can run small batches through a GEMV kernel (16-bit: CUDA,
+        contiguous, input width a multiple of its block; 4-bit: its own kernel), so the LM head
+        of a 4-bit model keeps the 16-bit one."""
         return all(gemv_ready(p) for layer in self._linears for p in layer.values())
 
 
