@@ -23,21 +23,14 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
+from .engine.logprobs import Logprob
+
 if TYPE_CHECKING:
     from flexrollout.engine.sequence import Sequence
     from flexrollout.lora_request import LoRARequest
     from flexrollout.requests import Request
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Logprob:
-    """Log-probability of one token, with its rank in the distribution (1 = most likely)."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
 
 
 SampleLogprobs = list[dict[int, Logprob]]

@@ -5,11 +5,22 @@ meaning the whole vocabulary (vLLM's rule), so a dict has up to k + 1 entries.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..outputs import Logprob
 from .sampler import SamplerOutput
 from .sequence import Sequence
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token, with its rank in the distribution (1 = most likely).
+    (vLLM's type; `flexrollout.outputs` hands it on with the other result objects.)"""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 def top_count(k: int, vocab_size: int) -> int:
