@@ -157,6 +157,21 @@ def test_qlora_live_adapter_matches_peft_and_follows_updates():
         assert expected != [_hf_greedy(pm, p, 10) for p in PROMPTS], "the adapter should matter"
 
 
+def test_sleep_and_wake_leave_a_trainers_4bit_weights_in_place(hf_greedy):
+    """A trainer's 4-bit model (in memory, not the engine's): sleep frees the cache, the packed
+    weights never move, and after wake the engine still gives the dequantised reference's tokens."""
+    model, tok = _model()
+    reference = dequantized_reference(model)
+    packed = {n: (p.data_ptr(), p.device) for n, p in model.named_parameters() if p.dtype == torch.uint8}
+    llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=4, enable_sleep_mode=True)
+    llm.sleep(1)
+    assert not llm.llm_engine.kv_cache_awake
+    assert packed == {n: (p.data_ptr(), p.device) for n, p in model.named_parameters() if p.dtype == torch.uint8}
+    llm.wake_up()
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(reference, p, 10).tokens for p in PROMPTS]
+
+
 def test_merged_lora_mode_refuses_a_4bit_base():
     from peft import LoraConfig, get_peft_model
 
