@@ -172,6 +172,28 @@ def test_sleep_and_wake_leave_a_trainers_4bit_weights_in_place(hf_greedy):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(reference, p, 10).tokens for p in PROMPTS]
 
 
+def test_lora_request_over_a_4bit_base_matches_peft(tmp_path):
+    """A saved adapter by LoRARequest over a 4-bit base equals PEFT loading it onto the same
+    bitsandbytes model; rows without the request run the 4-bit base alone."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from flexrollout import LoRARequest
+
+    trained = get_peft_model(_model()[0], LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                                                    init_lora_weights=False))
+    trained.save_pretrained(str(tmp_path / "adapter"))
+    base, tok = _model()
+    reference = PeftModel.from_pretrained(_model()[0], str(tmp_path / "adapter")).eval()
+    llm = LLM(base, tokenizer=tok, max_model_len=64, max_num_seqs=4)
+    request = LoRARequest("saved", 1, str(tmp_path / "adapter"))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
+                        lora_request=[request, None, request])
+    expected = [_hf_greedy(reference, PROMPTS[0], 10), _hf_greedy(base, PROMPTS[1], 10),
+                _hf_greedy(reference, PROMPTS[2], 10)]
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert expected[0] != _hf_greedy(base, PROMPTS[0], 10), "the adapter should matter"
+
+
 def test_merged_lora_mode_refuses_a_4bit_base():
     from peft import LoraConfig, get_peft_model
 
