@@ -202,6 +202,23 @@ def test_prompt_and_sampled_logprobs_match_hf_teacher_forced(tiny):
         assert abs(out.outputs[0].logprobs[step][token].logprob - float(row[token])) < LP_TOL
 
 
+def test_async_stops_one_step_late_and_slots_are_reused(tiny, hf_greedy):
+    """Async decode (the default): sequences stop at different steps while the next step is in
+    flight, so that step writes a finished sequence's state slot; queued prompts then take those
+    slots and must start from a zero state. Every output is HF's greedy path cut at its stop."""
+    model, tok = tiny
+    prompts = random_prompts([5, 12, 20, 9, 7, 14], seed=2)
+    paths = [hf_greedy(model, p, 14).tokens for p in prompts]
+    stops = [path[k] for path, k in zip(paths, [2, 4, 6, 8, 3, 5])]
+    llm = tiny_llm(model, tok, max_num_seqs=3)
+    discarded = llm.llm_engine.stats.discarded_tokens
+    outs = llm.generate(_prompts(prompts), [SamplingParams(temperature=0, max_tokens=14, stop_token_ids=[s])
+                                            for s in stops], use_tqdm=False)
+    for out, path, stop in zip(outs, paths, stops):
+        assert out.outputs[0].token_ids == path[:path.index(stop) + 1]
+    assert llm.llm_engine.stats.discarded_tokens > discarded, "no step was in flight at a stop"
+
+
 def test_groups_fork_states_and_preemption_recomputes(tiny, hf_greedy, engine_stats):
     """n = 3 samples of a prompt prefill once and each continues from its own copy of the state;
     with too few pages sequences are preempted and recomputed from scratch."""
