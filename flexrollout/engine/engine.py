@@ -118,13 +118,13 @@ class LLMEngine:
         self.stats = EngineStats()
         self._pending: PendingDecode | None = None
         page_bytes = KVCache.bytes_per_page(self.spec.layers, self.page_size, dtype)
-        self.cache_bytes = num_pages * page_bytes + KVCache.state_bytes(self.spec.layers, self.num_slots)
+        states = KVCache.state_bytes(self.spec.layers, self.num_slots)
+        self.cache_bytes = num_pages * page_bytes + states
         owning = sum(s.owns_kv for s in self.spec.layers)
         logger.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB (%d KiB per token; %d of "
                     "%d layers hold KV)", num_pages - 1, self.page_size,
                     (num_pages - 1) * self.page_size, num_pages * page_bytes / 2**20,
                     page_bytes // self.page_size // 1024, owning, len(self.spec.layers))
-        states = KVCache.state_bytes(self.spec.layers, self.num_slots)
         if states:
             logger.info("per-sequence states (linear attention): %.1f MiB for %d slots",
                         states / 2**20, self.num_slots)
