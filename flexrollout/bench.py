@@ -141,12 +141,12 @@ QUANT_EXTRA_HINT = ("--quantization needs bitsandbytes: install flexrollout with
                     "(pip install '.[quant]' in the repository)")
 
 
-def quantize_4bit(model, quant_type: str):
+def quantize_4bit(model, quant_type: str, double_quant: bool = True):
     """Replace every nn.Linear of the decoder layers by a bitsandbytes Linear4bit holding its
-    weight quantised in place on its device, with double quantisation and the model's dtype as
-    compute dtype: what a QLoRA load (BitsAndBytesConfig(load_in_4bit=True,
-    bnb_4bit_use_double_quant=True)) leaves, without a hub checkpoint. Embeddings and the LM head
-    stay 16-bit, as they do there. Each layer's 16-bit weight is freed as it is replaced."""
+    weight quantised in place on its device, with the model's dtype as compute dtype: what a
+    QLoRA load (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=double_quant))
+    leaves, without a hub checkpoint. Embeddings and the LM head stay 16-bit, as they do there.
+    Each layer's 16-bit weight is freed as it is replaced."""
     import bitsandbytes as bnb
 
     for layer in model.model.layers:
@@ -157,9 +157,9 @@ def quantize_4bit(model, quant_type: str):
                 weight = linear.weight
                 q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                       compute_dtype=weight.dtype, quant_type=quant_type,
-                                      compress_statistics=True, device="meta")
+                                      compress_statistics=double_quant, device="meta")
                 q.weight = bnb.nn.Params4bit(weight.data, requires_grad=False, quant_type=quant_type,
-                                             compress_statistics=True)
+                                             compress_statistics=double_quant)
                 q.bias = linear.bias
                 q = q.to(weight.device)              # quantises
                 # On CPU bitsandbytes' forward (the HF baseline) would otherwise repack the

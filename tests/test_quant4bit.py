@@ -17,6 +17,7 @@ import torch
 from conftest import make_tiny_model, make_tiny_moe, run_fresh_python
 
 from flexrollout import LLM, SamplingParams
+from flexrollout.bench import quantize_4bit
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -32,21 +33,9 @@ def _children_of_type(model, kind):
 
 
 def _quantize_projections(model, quant_type: str, double_quant: bool):
-    """Replace every nn.Linear inside the decoder layers (attention, MLP, linear attention,
-    routers, per-layer-input gates) by a bitsandbytes Linear4bit holding its weight."""
-    for parent, name, lin in _children_of_type(model, torch.nn.Linear):
-        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                              compute_dtype=torch.float32, quant_type=quant_type,
-                              compress_statistics=double_quant)
-        q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False,
-                                     quant_type=quant_type, compress_statistics=double_quant)
-        if lin.bias is not None:
-            q.bias = torch.nn.Parameter(lin.bias.data.clone(), requires_grad=False)
-        q = q.to("cpu")                             # .to() quantises
-        # bitsandbytes' forward would otherwise repack the weight in place for its bf16
-        # CPU kernel (a layout flexrollout refuses, with a clear error)
-        q.support_avx512bf16_for_cpu = False
-        setattr(parent, name, q)
+    """Every nn.Linear inside the decoder layers (attention, MLP, linear attention, routers,
+    per-layer-input gates) as a bitsandbytes Linear4bit: the bench's own QLoRA-like load."""
+    model = quantize_4bit(model, quant_type, double_quant)
     assert _children_of_type(model, bnb.nn.Linear4bit)
     return model.eval()
 
