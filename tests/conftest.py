@@ -130,6 +130,15 @@ def randomize_lora(peft_model, seed: int, std: float = 0.3) -> None:
                 param.copy_(std * torch.randn(param.shape, generator=gen))
 
 
+def saved_adapter_models(trained, make_base, path) -> tuple:
+    """Save `trained`'s PEFT adapter at `path`; (a fresh base model from `make_base()`, PEFT's own
+    model with the adapter loaded onto another fresh base: the reference for LoRARequest(path))."""
+    from peft import PeftModel
+
+    trained.save_pretrained(str(path))
+    return make_base(), PeftModel.from_pretrained(make_base(), str(path)).eval()
+
+
 def make_tiny_model(
     arch: str = "llama",
     *,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_EOS, TINY_VOCAB, make_tiny_tokenizer, randomize_lora, tiny_llm
+from conftest import TINY_EOS, TINY_VOCAB, make_tiny_tokenizer, randomize_lora, saved_adapter_models, tiny_llm
 from flexrollout import SamplingParams
 
 VARIANTS = ["dense", "e2b", "moe", "wrapper"]
@@ -267,14 +267,10 @@ def test_saved_adapter_by_lora_request_matches_peft(variant, tmp_path):
     """A saved PEFT adapter (projections of both layer kinds, whose shapes differ, and the
     experts of "moe") given by LoRARequest to the base model equals PEFT's model loaded from
     that directory; rows without a request in the same call run the base model."""
-    from peft import PeftModel
-
     from flexrollout import LoRARequest
 
     pm, tok = _peft_gemma4(variant, seed=5)
-    pm.save_pretrained(str(tmp_path / "adapter"))
-    base, _ = make_tiny_gemma4(variant, seed=5)
-    ref = PeftModel.from_pretrained(make_tiny_gemma4(variant, seed=5)[0], str(tmp_path / "adapter")).eval()
+    base, ref = saved_adapter_models(pm, lambda: make_tiny_gemma4(variant, seed=5)[0], tmp_path / "adapter")
     prompt = PROMPTS[1]
     llm = tiny_llm(base, tok)
     request = LoRARequest("saved", 1, str(tmp_path / "adapter"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_moe, randomize_lora, tiny_llm
+from conftest import make_tiny_moe, randomize_lora, saved_adapter_models, tiny_llm
 
 from flexrollout import LLM, LoRARequest, SamplingParams
 
@@ -139,14 +139,11 @@ def test_expert_lora_matches_peft_and_sees_updates(arch, mode, hf_greedy):
 def test_saved_expert_adapter_by_path_and_tensors(arch, tmp_path):
     """A saved PEFT adapter with expert LoRA, by path and by tensors, on the base model, equals
     PEFT's model loaded from that directory."""
-    from peft import PeftModel
     from safetensors.torch import load_file
 
     pm, tok = _peft_moe(arch, seed=5)
-    pm.save_pretrained(str(tmp_path / "adapter"))
-    base, _ = make_tiny_moe(arch, seed=5)
+    base, ref = saved_adapter_models(pm, lambda: make_tiny_moe(arch, seed=5)[0], tmp_path / "adapter")
     prompt = PROMPTS[1]
-    ref = PeftModel.from_pretrained(make_tiny_moe(arch, seed=5)[0], str(tmp_path / "adapter")).eval()
     expected = _reference_prompt_logprobs(ref, prompt)
     llm = tiny_llm(base, tok)
     by_path = LoRARequest("saved", 1, str(tmp_path / "adapter"))
@@ -172,11 +169,8 @@ def test_expert_lora_request_rows_replace_the_live_expert_adapter(arch, tmp_path
     (the live expert adapter masked off on those rows, in the experts' gate/up and down), rows
     without one equal the live PEFT model. Merged mode refuses such a call with a clear error,
     before any work, and still serves calls without a request."""
-    from peft import PeftModel
-
     donor, _ = _peft_moe(arch, 5)
-    donor.save_pretrained(str(tmp_path / "saved"))
-    saved = PeftModel.from_pretrained(make_tiny_moe(arch, seed=5)[0], str(tmp_path / "saved")).eval()
+    _, saved = saved_adapter_models(donor, lambda: make_tiny_moe(arch, seed=5)[0], tmp_path / "saved")
     live, tok = _peft_moe(arch, 5, lora_seed=13)
     request = LoRARequest("saved", 1, str(tmp_path / "saved"))
     prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]

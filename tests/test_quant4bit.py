@@ -14,7 +14,12 @@ import textwrap
 
 import pytest
 import torch
-from conftest import make_tiny_model, make_tiny_moe, run_fresh_python
+from conftest import (
+    make_tiny_model,
+    make_tiny_moe,
+    run_fresh_python,
+    saved_adapter_models,
+)
 
 from flexrollout import LLM, SamplingParams
 from flexrollout.bench import quantize_4bit
@@ -164,15 +169,14 @@ def test_sleep_and_wake_leave_a_trainers_4bit_weights_in_place(hf_greedy):
 def test_lora_request_over_a_4bit_base_matches_peft(tmp_path):
     """A saved adapter by LoRARequest over a 4-bit base equals PEFT loading it onto the same
     bitsandbytes model; rows without the request run the 4-bit base alone."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, get_peft_model
 
     from flexrollout import LoRARequest
 
-    trained = get_peft_model(_model()[0], LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
-                                                    init_lora_weights=False))
-    trained.save_pretrained(str(tmp_path / "adapter"))
-    base, tok = _model()
-    reference = PeftModel.from_pretrained(_model()[0], str(tmp_path / "adapter")).eval()
+    trained, tok = _model()
+    trained = get_peft_model(trained, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                                                 init_lora_weights=False))
+    base, reference = saved_adapter_models(trained, lambda: _model()[0], tmp_path / "adapter")
     llm = LLM(base, tokenizer=tok, max_model_len=64, max_num_seqs=4)
     request = LoRARequest("saved", 1, str(tmp_path / "adapter"))
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_EOS, TINY_VOCAB, make_tiny_tokenizer, random_prompts, tiny_llm
+from conftest import TINY_EOS, TINY_VOCAB, make_tiny_tokenizer, random_prompts, saved_adapter_models, tiny_llm
 from flexrollout import SamplingParams
 
 ARCHS = ["dense", "moe"]
@@ -376,14 +376,10 @@ def test_lora_request_on_linear_attention_matches_peft(tmp_path, arch):
     """A saved adapter that adapts GatedDeltaNet projections (and, in the MoE, the shared expert
     and its gate), given by LoRARequest over the base model, equals PEFT's model loaded from that
     directory; rows without it run the base."""
-    from peft import PeftModel
-
     from flexrollout import LoRARequest
 
     pm, tok = _peft_qwen35(arch, seed=5)
-    pm.save_pretrained(str(tmp_path / "adapter"))
-    base, _ = make_tiny_qwen35(arch, seed=5)
-    reference = PeftModel.from_pretrained(make_tiny_qwen35(arch, seed=5)[0], str(tmp_path / "adapter")).eval()
+    base, reference = saved_adapter_models(pm, lambda: make_tiny_qwen35(arch, seed=5)[0], tmp_path / "adapter")
     prompt = MIXED[2]
     llm = tiny_llm(base, tok)
     request = LoRARequest("saved", 1, str(tmp_path / "adapter"))
