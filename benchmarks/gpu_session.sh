@@ -32,7 +32,9 @@ part=${2:-core}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 filter() { grep -v -e DEBUG -e "UserWarning" -e "warn_once"; }
-bench() { timeout "$1" python3 -m flexrollout.cli bench "${@:2}" 2>&1 | filter; }
+# Every step's whole output also goes to $out/full.log: a filtered tail hides why a step failed.
+bench() { timeout "$1" python3 -m flexrollout.cli bench "${@:2}" 2>&1 | tee -a "$out/full.log" | filter; }
+gputest() { timeout "$1" python3 -m pytest -q -m gpu "${@:2}" 2>&1 | tee -a "$out/full.log" | filter; }
 lora32() { bench 150 --preset qwen3-4b --workload grpo --lora-rank 32 --json "$out/grpo-lora32.json" \
   | tail -2 > "$out/lora32.txt"; }
 sweep=1,2,4,8,12,16,24,32,48,64
@@ -154,16 +156,13 @@ hybrid)
   done
   names="gpu tests qwen3-4b gemma-4-e2b qwen3.5-4b" ;;
 recheck)
-  timeout 230 python3 -m pytest -q -m gpu tests/test_qwen35.py tests/test_quant4bit.py \
-    tests/test_gpu.py -k "qwen35 or quant4bit or moe_graphs or moe_expert_lora" 2>&1 | filter \
-    | tail -8 > "$out/tests.txt"
+  gputest 230 tests/test_qwen35.py tests/test_quant4bit.py \
+    tests/test_gpu.py -k "qwen35 or quant4bit or moe_graphs or moe_expert_lora" | tail -8 > "$out/tests.txt"
   bench 150 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 16 \
     --json "$out/qwen3.5-4b.json" | tail -6 > "$out/qwen3.5-4b.txt"
   bench 110 --preset qwen3-4b --batch-sizes 1,8 --quantization bnb-nf4 --compare hf --hf-max-tokens 16 \
     --json "$out/nf4.json" | tail -5 > "$out/nf4.txt"
-  bench 90 --preset qwen3-4b --batch-sizes 1 --workload grpo --repeat 2 --json "$out/grpo.json" \
-    | tail -3 > "$out/grpo.txt"
-  names="gpu tests qwen3.5-4b nf4 grpo" ;;
+  names="gpu tests qwen3.5-4b nf4" ;;
 gemma)
   timeout 150 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 2>&1 | filter | head -30 \
     > "$out/profile.txt"

@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flexrollout import LLM, SamplingParams
-from flexrollout.bench import random_model
+from flexrollout.bench import quantize_4bit, random_model
 
 
 def _category(name: str) -> str:
@@ -75,8 +75,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--no-pdl", action="store_true", help="GEMV launches without PDL")
+    parser.add_argument("--quantization", choices=("bnb-nf4", "bnb-fp4"), help="4-bit base weights")
     args = parser.parse_args()
     model = random_model(args.preset, torch.bfloat16, "cuda", 4096)
+    if args.quantization:
+        quantize_4bit(model, args.quantization.removeprefix("bnb-"))
     llm = LLM(model, max_model_len=2048, max_num_seqs=max(args.batch, 8), gpu_memory_utilization=0.5,
               gemv_pdl=not args.no_pdl)
     prompts = [{"prompt_token_ids": list(range(10 + i, 138 + i))} for i in range(args.batch)]
@@ -96,7 +99,8 @@ def main() -> None:
           f"{(full_launches - prefill_launches) / steps:.0f} kernels")
     for cat, us in sorted(by_cat.items(), key=lambda x: -x[1]):
         print(f"  {cat:20s} {us / steps / 1e3:8.3f} ms/step")
-    print(f"graph replay alone, back to back: {_replay_ms(llm, args.batch):.2f} ms per step")
+    if llm.llm_engine.runner.graphs is not None:
+        print(f"graph replay alone, back to back: {_replay_ms(llm, args.batch):.2f} ms per step")
     print("top kernels:")
     for name, us in sorted(by_name.items(), key=lambda x: -x[1])[:15]:
         print(f"  {us / steps / 1e3:8.3f} ms/step  {name[:110]}")

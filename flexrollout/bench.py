@@ -5,8 +5,8 @@ Decode is memory-bound: a step reads every weight once plus the KV of every runn
 so roofline tok/s = batch x bandwidth / (weight bytes + KV bytes read per step). The bandwidth
 is measured in the same process (a large copy on the same device, bytes read + written).
 With `--quantization` (bitsandbytes 4-bit) the weight bytes are the packed nibbles plus their
-quant states: what a step reads when every projection runs the 4-bit kernel (batches of more than
-`gemv_4bit.MAX_ROWS` rows also write and read a transient dequantised weight per projection).
+quant states: what a step reads when every projection runs a 4-bit GEMV (batches of more than
+one row also write and read a transient dequantised weight per projection, bitsandbytes' path).
 """
 from __future__ import annotations
 

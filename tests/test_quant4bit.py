@@ -9,7 +9,6 @@ PEFT's forward over it is then an exact QLoRA reference.
 """
 from __future__ import annotations
 
-import os
 import textwrap
 
 import pytest
@@ -256,43 +255,6 @@ def test_4bit_kernel_matches_bitsandbytes_in_triton_interpreter(case):
     run_fresh_python(_KERNEL_CHECK.format(seed=m, quant_type=quant_type, nested=nested, m=m, n=n, k=k,
                                           x_dtype=x_dtype, w_dtype=w_dtype, blocksize=blocksize,
                                           split=split), triton_interpret=True)
-
-
-_ENGINE_CHECK = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {tests!r})
-    import torch
-    import test_quant4bit as t
-    from flexrollout import LLM, SamplingParams
-    from flexrollout.layers import quant
-
-    def no_dequantise(*args):
-        raise AssertionError("a batch of at most gemv_4bit.MAX_ROWS rows dequantised a weight")
-
-    model, tok = t._model("{quant_type}", {nested})
-    reference = t.dequantized_reference(model)
-    quant.dequantize_4bit = no_dequantise
-    llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=2)
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
-    for prompt in t.PROMPTS:           # one at a time: prefill too stays within the kernel's rows
-        out = llm.generate([{{"prompt_token_ids": prompt}}], params, use_tqdm=False)[0]
-        assert out.outputs[0].token_ids == t._hf_greedy(reference, prompt, 4), prompt
-        with torch.no_grad():
-            ref = reference(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
-        err = max(abs(out.prompt_logprobs[i][prompt[i]].logprob - ref[i - 1, prompt[i]].item())
-                  for i in range(1, len(prompt)))
-        assert err < 1e-4, err
-""")
-
-
-@pytest.mark.parametrize("quant_type, nested", [("nf4", True), ("fp4", False)])
-def test_engine_small_batches_run_the_4bit_kernel(quant_type, nested):
-    """Prefill and decode of single prompts (<= MAX_ROWS rows) go through the kernel, never through
-    a dequantised weight, and still match HF generate on the dequantised reference."""
-    pytest.importorskip("triton")
-    tests = os.path.dirname(os.path.abspath(__file__))
-    run_fresh_python(_ENGINE_CHECK.format(tests=tests, quant_type=quant_type, nested=nested),
-                     triton_interpret=True)
 
 
 @pytest.mark.gpu

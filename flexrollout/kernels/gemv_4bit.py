@@ -11,11 +11,13 @@ block straddles two rows. Double quantisation stores absmax as uint8 codes:
 
 A decode step multiplies a few rows by the weight, so the bytes read are what counts: about a
 quarter of the 16-bit weight's (plus absmax), and no dequantised weight is ever written. Results
-come back as fp32 partials (split, M, N) summed by the caller, like `small_linear`. Above
-MAX_ROWS the caller keeps bitsandbytes' dequantise + matmul path (a transient full weight per
-projection). Not yet measured on a GPU: neither its speed against bitsandbytes' own fused
-`gemm_4bit` (M <= 4) nor where the crossover with dequantise + matmul lies; the tiling is
-small_linear's, untuned.
+come back as fp32 partials (split, M, N) summed by the caller, like `small_linear`.
+
+Not routed by the engine: measured on an H200 (benchmarks/gemv_4bit_sweep.py, 2026-12-04) it
+takes 375-1,690 us per Qwen3-4B projection, 8-40x bitsandbytes' own ops (its fused GEMV at one
+row, dequantise + matmul above), so `layers/quant.py` runs those. The likely cost is three
+gathers per weight element (code, absmax, nested absmax) at small_linear's untuned tiling;
+per-block scales and a register code table are the next step, measured with that sweep.
 """
 from __future__ import annotations
 

@@ -2,19 +2,20 @@
 
 A `Linear4bit` layer's weight is a `Params4bit`: packed uint8 nibbles with a `quant_state`
 (per-block absmax, nested when double-quantised, the 16-entry code, the original shape and
-compute dtype). Small batches (decode: at most `gemv_4bit.MAX_ROWS` rows, on CUDA) run the
-Triton kernel of `kernels/gemv_4bit.py`, which dequantises in registers and writes no weight.
-Larger ones dequantise the weight with bitsandbytes' own op into a transient tensor and
-multiply, as bitsandbytes' forward does for more than one row: nothing is stored beside the
-packed weights, and the transient lives only for that projection. bitsandbytes is imported only
-when such a model arrives.
+compute dtype). Projections run bitsandbytes' own forward ops, as its `Linear4bit` does: one row
+on CUDA takes its fused 4-bit GEMV, which reads the packed weight in place; more rows dequantise
+the weight into a transient tensor and multiply. Nothing is stored beside the packed weights, and
+a transient lives only for its projection. bitsandbytes is imported only when such a model arrives.
+
+The Triton kernel of `kernels/gemv_4bit.py` is not routed: on an H200 it took 375-1,690 us per
+Qwen3-4B projection against bitsandbytes' 35-63 us at one row and 37-140 us (dequantise +
+matmul) at 8-16 rows (benchmarks/gemv_4bit_sweep.py, BENCHMARKS.md), so it stays out of the
+engine until it is tuned.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from ..kernels import gemv_4bit
 
 
 def quant_state_of(weight: torch.Tensor):
@@ -40,8 +41,10 @@ def dequantize_4bit(weight: torch.Tensor, quant_state, dtype: torch.dtype) -> to
 def project_4bit(x: torch.Tensor, weight: torch.Tensor, quant_state,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T + b for a packed 4-bit weight, in x's dtype."""
-    if gemv_4bit.supported(x, quant_state):
-        return gemv_4bit.project(x, weight, quant_state, bias)
+    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
+        import bitsandbytes as bnb
+
+        return bnb.matmul_4bit(x, weight.t(), quant_state=quant_state, bias=bias)
     return F.linear(x, dequantize_4bit(weight, quant_state, x.dtype), bias)
 
 
