@@ -199,6 +199,20 @@ def test_sleep_drops_processor_state_and_it_comes_back(peaky):
     assert _tokens(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)) == first
 
 
+def test_state_made_under_inference_mode_serves_calls_outside_it(peaky):
+    """The first request with processors may come from a caller in torch.inference_mode (the state is then
+    made of inference tensors); a later call outside it still writes its rows."""
+    model, tok = peaky
+    prompt = random_prompts([9], seed=1)[0]
+    llm = tiny_llm(model, tok)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.5)
+    ref = _hf_generate(model, prompt, 6, repetition_penalty=1.5)
+    with torch.inference_mode():
+        inside = _tokens(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False))
+    outside = _tokens(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False))
+    assert inside == outside == [ref]
+
+
 # ------------------------------------------------------------------------------ GPU: replayed from graphs
 
 

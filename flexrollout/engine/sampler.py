@@ -300,8 +300,11 @@ class SlotSampling:
         logger.info("logits-processor state '%s': %.1f MiB (%d slots x %d vocab)",
                     part, size / 2**20, self.num_slots, self.vocab)
 
+    @torch.inference_mode()
     def admit(self, seqs) -> None:
-        """Write the rows of sequences about to draw their first token in their slots."""
+        """Write the rows of sequences about to draw their first token in their slots. (Inference
+        mode, like the steps that update them: tensors made under it may only change under it,
+        whatever mode the caller of `generate` is in.)"""
         for part in SLOT_PARTS:
             if not self.allocated(part) and any(part in slot_parts(seq) for seq in seqs):
                 self._allocate(part)
