@@ -246,3 +246,79 @@ def test_gpu_processor_steps_replay_from_graphs_and_match_eager():
                 assert list(dx) == list(dy)
                 for t in dx:
                     assert dx[t].logprob == pytest.approx(dy[t].logprob, abs=1e-4)
+
+
+# ------------------------------------------------------------------------------ real vocabulary, HF processors
+
+
+def _hf_processed(logits: torch.Tensor, seq) -> torch.Tensor:
+    """One row through HF's logits processors in the engine's order (additive bias and bans, then the
+    repetition penalty), then vLLM's frequency / presence penalties (no HF equivalent) as their formula."""
+    from transformers.generation.logits_process import (
+        MinNewTokensLengthLogitsProcessor,
+        NoBadWordsLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+        SuppressTokensLogitsProcessor,
+    )
+
+    p, vocab = seq.params, logits.shape[-1]
+    ids = torch.tensor([seq.token_ids])
+    scores = logits[None].clone()
+    if p.allowed_token_ids:
+        others = sorted(set(range(vocab)) - set(p.allowed_token_ids))
+        scores = SuppressTokensLogitsProcessor(others)(ids, scores)
+    if p.logit_bias:
+        scores = SequenceBiasLogitsProcessor([[[int(t)], float(v)] for t, v in p.logit_bias.items()])(ids, scores)
+    if seq.bad_words_ids:
+        scores = NoBadWordsLogitsProcessor(seq.bad_words_ids)(ids, scores)
+    if p.min_tokens:
+        scores = MinNewTokensLengthLogitsProcessor(seq.num_prompt_tokens, p.min_tokens, sorted(seq.stop_ids))(ids, scores)
+    if p.repetition_penalty != 1.0:
+        scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, scores)
+    counts = torch.bincount(torch.tensor(seq.generated_ids, dtype=torch.long), minlength=vocab).float()
+    return scores[0] - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+
+
+def test_processed_logits_at_real_vocab_match_hf_processors():
+    """151,936 ids, slots reused between two waves of sequences, five decode steps counted on the
+    device: every row's processed logits equal HF's logits processors over the same history, and greedy
+    draws their argmax. Covers rows without processors beside rows with each of them."""
+    from flexrollout.engine.sampler import SlotSampling, build_sampling_tensors, process_logits, sample
+    from flexrollout.engine.sequence import Sequence
+
+    vocab, gen = 151_936, torch.Generator().manual_seed(0)
+    state = SlotSampling(6, vocab, torch.device("cpu"))
+    options = [dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3),
+               dict(logit_bias={7: 3.0, 100_000: -2.0, 151_935: 5.0}, min_tokens=3),
+               {},
+               dict(allowed_token_ids=[5, 9, 77, 150_000], repetition_penalty=0.8),
+               dict(min_tokens=4, presence_penalty=1.0)]
+
+    @torch.inference_mode()           # as the engine's steps run
+    def wave(first_slot: int, seed: int) -> None:
+        seqs = []
+        for i, opts in enumerate(options):
+            prompt = torch.randint(0, vocab, (12,), generator=gen).tolist()
+            bad = [[int(prompt[0])], [int(prompt[1]), int(prompt[2])]] if i == 2 else []
+            seqs.append(Sequence(seq_id=i, request_index=i, sample_index=0, token_ids=prompt, num_prompt_tokens=12,
+                                 params=SamplingParams(temperature=0.0, max_tokens=8, **opts), max_tokens=8,
+                                 seed=seed + i, stop_ids=frozenset({11, 151_935}), bad_words_ids=bad,
+                                 slot=1 + (first_slot + i) % 5))
+        state.admit(seqs)
+        for step in range(5):
+            logits = torch.randn(len(seqs), vocab, generator=gen) * 4
+            # the second row's stop ids top its distribution: min_tokens holds them back for 3 tokens
+            logits[1, [11, 151_935, 7]] = torch.tensor([40.0, 40.0, 30.0])
+            st = build_sampling_tensors(seqs, vocab, state)
+            processed = process_logits(logits, st.counters, st.bias, *state.step_tensors(st.slots, st.processors))
+            for row, seq in enumerate(seqs):
+                assert torch.equal(processed[row], _hf_processed(logits[row], seq)), (step, row)
+            tokens = sample(logits, st).token_ids.tolist()
+            assert tokens == processed.argmax(dim=-1).tolist()
+            for seq, token in zip(seqs, tokens):
+                seq.token_ids.append(token)
+        assert seqs[1].generated_ids[:4] == [7, 7, 7, 151_935]
+
+    wave(0, 100)
+    wave(2, 200)      # every slot reused by a sequence with other options
