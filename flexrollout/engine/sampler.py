@@ -180,9 +180,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     counts its drawn tokens into their slots' penalty counts."""
     fused = _fused if logits.is_cuda else (lambda fn: fn)
     if st.processors or st.bias is not None:
-        state = (st.slot_state.step_tensors(st.slots, st.processors) if st.processors
-                 else (st.slots,) + (None,) * 6)
-        logits = fused(process_logits)(logits, st.counters, st.bias, *state)
+        logits = fused(process_logits)(logits, st.counters, st.bias, *_slot_args(st))
     greedy = st.temperature == 0
     temperature = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
     logits = logits / temperature[:, None]
@@ -201,6 +199,13 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     if "penalties" in st.processors:
         st.slot_state.count(st.slots, token_ids)
     return SamplerOutput(token_ids, lp, ranks, top_ids, top_lp)
+
+
+def _slot_args(st: SamplingTensors) -> tuple:
+    """`process_logits`' per-slot arguments: all None when the step applies no part."""
+    if not st.processors:
+        return (st.slots,) + (None,) * 6
+    return st.slot_state.step_tensors(st.slots, st.processors)
 
 
 def process_logits(logits: torch.Tensor, counters: torch.Tensor, bans: torch.Tensor | None,
