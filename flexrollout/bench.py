@@ -229,14 +229,30 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": row.tolist()} for row in ids]
 
 
+def sampling_options(name: str, vocab: int) -> dict:
+    """SamplingParams fields of a `--sampling-options` set. "penalties" turns on every logits
+    processor that keeps per-slot state: the three penalties, a logit_bias of a few tokens, and
+    min_tokens=8 before a stop id (the last id, which random weights rarely draw)."""
+    if name == "none":
+        return {}
+    return {"repetition_penalty": 1.1, "frequency_penalty": 0.1, "presence_penalty": 0.1,
+            "logit_bias": {2: 0.5, 3: -0.5, 5: 1.0}, "min_tokens": 8, "stop_token_ids": [vocab - 1]}
+
+
+SAMPLING_OPTION_SETS = ("none", "penalties")
+
+
 def run_decode(llm, batch: int, prompt_len: int, max_tokens: int, vocab: int,
-               repeat: int = 1) -> list[float]:
-    """tok/s of `repeat` timed runs (same prompts), after a warm-up that captures the graphs."""
+               repeat: int = 1, options: dict | None = None) -> list[float]:
+    """tok/s of `repeat` timed runs (same prompts), after a warm-up that captures the graphs;
+    `options`: extra SamplingParams fields of both (see `sampling_options`)."""
     from . import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    options = options or {}
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **options)
+    warm_tokens = max(4, options.get("min_tokens", 0))
     llm.generate(_prompts(batch, prompt_len, vocab, 1), SamplingParams(
-        temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)        # warm-up, graphs
+        temperature=0.0, max_tokens=warm_tokens, ignore_eos=True, **options), use_tqdm=False)  # graphs
     prompts = _prompts(batch, prompt_len, vocab, 2)
     rates = []
     for _ in range(repeat):
@@ -400,15 +416,20 @@ def bench(args) -> dict:
     rows = []
     engine_peak = 0  # the HF baseline's own KV cache must not count as the engine's peak
     workloads = args.workload.split(",")
-    progress = _progress(len(batch_sizes) * ("decode" in workloads) + ("grpo" in workloads)
-                         + ("prefill" in workloads))
+    option_sets = args.sampling_options.split(",")
+    progress = _progress(len(batch_sizes) * len(option_sets) * ("decode" in workloads)
+                         + ("grpo" in workloads) + ("prefill" in workloads))
+    decode_runs = [(batch, name) for batch in batch_sizes for name in option_sets]
     if "decode" in workloads:
-        for batch in batch_sizes:
-            progress.set_description(f"decode, batch {batch}")
-            rates = run_decode(llm, batch, args.prompt_len, args.max_tokens, vocab, args.repeat)
+        for batch, name in decode_runs:
+            progress.set_description(f"decode, batch {batch}, sampling {name}")
+            rates = run_decode(llm, batch, args.prompt_len, args.max_tokens, vocab, args.repeat,
+                               sampling_options(name, vocab))
             tok_s = max(rates)
             ctx = args.prompt_len + args.max_tokens / 2
             row = {"workload": "decode", "batch": batch, "tok_s": tok_s, **_spread(rates)}
+            if option_sets != ["none"]:
+                row["sampling"] = name
             if "bandwidth_GBs" in result:
                 roof = batch * result["bandwidth_GBs"] * 1e9 / bytes_per_step(llm, model, batch, ctx)
                 row.update(roofline_tok_s=roof, roofline_pct=100 * tok_s / roof)
@@ -505,7 +526,8 @@ def _progress(total: int):
 
 
 # (column title, row key, format) of the results table.
-COLUMNS = [("workload", "workload", "{}"), ("batch", "batch", "{}"), ("tok/s", "tok_s", "{:,.1f}"),
+COLUMNS = [("workload", "workload", "{}"), ("sampling", "sampling", "{}"), ("batch", "batch", "{}"),
+           ("tok/s", "tok_s", "{:,.1f}"),
            ("roofline tok/s", "roofline_tok_s", "{:,.1f}"), ("% roofline", "roofline_pct", "{:.1f}"),
            ("HF tok/s", "hf_tok_s", "{:,.1f}"), ("x HF", "x_hf", "{:.2f}"),
            ("spread %", "spread_pct", "{:.1f}"), ("prefill tok/s", "prefill_tok_s", "{:,.0f}"),
@@ -603,6 +625,12 @@ def check_args(args) -> None:
             raise UserError(f"--batch-sizes {args.batch_sizes}: expected a comma list of integers") from None
         if min(sizes) < 1:
             raise UserError(f"--batch-sizes {args.batch_sizes}: sizes must be at least 1")
+    unknown_sets = set(args.sampling_options.split(",")) - set(SAMPLING_OPTION_SETS)
+    if unknown_sets:
+        raise UserError(f"--sampling-options: unknown {', '.join(sorted(unknown_sets))} "
+                        f"({', '.join(SAMPLING_OPTION_SETS)})")
+    if "penalties" in args.sampling_options.split(",") and args.max_tokens is not None and args.max_tokens < 8:
+        raise UserError("--sampling-options penalties sets min_tokens=8: --max-tokens must be at least 8")
     unknown = set(args.workload.split(",")) - {"decode", "grpo", "prefill"}
     if unknown:
         raise UserError(f"--workload: unknown {', '.join(sorted(unknown))} (decode, grpo, prefill)")
@@ -653,6 +681,10 @@ def add_bench_parser(p) -> None:
     p.add_argument("--workload", default="decode",
                    help="decode, grpo (8 prompts x n=8), prefill (64 x 512 tokens), or a comma list "
                         "of them (one model, one engine)")
+    p.add_argument("--sampling-options", default="none",
+                   help="decode sampling sets, a comma list: none (plain greedy), penalties (repetition "
+                        "1.1, frequency 0.1, presence 0.1, a logit_bias of 3 tokens, min_tokens=8); "
+                        "'none,penalties' times both on one engine")
     p.add_argument("--compare", choices=["hf"], default=None, help="also time HF generate on the same model")
     p.add_argument("--repeat", type=int, default=1,
                    help="timed runs per decode batch and GRPO shape: the best is reported, the spread kept")

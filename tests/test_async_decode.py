@@ -228,19 +228,20 @@ def test_preemption_drains_first(tiny):
     assert pair[0].llm_engine.stats.preemptions > 0
 
 
-SPECIAL_TOKENS = 7    # max_tokens of the requests with history-dependent sampling
+SPECIAL_TOKENS = 7    # max_tokens of the requests with logits processors
 
 
-@pytest.mark.parametrize("history_params, sync_steps", [
-    (dict(repetition_penalty=1.5), SPECIAL_TOKENS - 1),
-    (dict(frequency_penalty=0.8, presence_penalty=0.4), SPECIAL_TOKENS - 1),
-    (dict(min_tokens=5), 5 - 1),                 # only until the 5th token is drawn
-    (dict(logit_bias={7: 5.0}), SPECIAL_TOKENS - 1),
-    (dict(bad_words=["t300 t301"]), SPECIAL_TOKENS - 1),
-], ids=["repetition", "frequency-presence", "min-tokens", "logit-bias", "bad-words"])
-def test_history_dependent_rows_run_synchronously(tiny, history_params, sync_steps):
-    """Rows whose sampling needs their own history (penalties, bans, biases) force the engine to drain:
-    no step that holds such a row overlaps; once they no longer need it, the rest overlaps again."""
+@pytest.mark.parametrize("history_params", [
+    dict(repetition_penalty=1.5),
+    dict(frequency_penalty=0.8, presence_penalty=0.4),
+    dict(min_tokens=5, stop_token_ids=SAMPLED_STOPS),
+    dict(logit_bias={7: 5.0}, allowed_token_ids=list(range(2, 300))),
+    dict(bad_words=["t300"]),
+], ids=["repetition", "frequency-presence", "min-tokens", "logit-bias-allowed", "one-token-bad-word"])
+def test_processor_rows_pipeline(tiny, history_params):
+    """Penalties, biases, min_tokens and one-token bad words keep their state on the device, per slot:
+    their rows pipeline like plain ones (every decode step after the first overlaps), and the outputs equal
+    the synchronous engine's."""
     model, tok = tiny
     prompts = random_prompts([8, 13, 19, 6], seed=5)
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=SPECIAL_TOKENS if i < 2 else 18, logprobs=1,
@@ -248,8 +249,20 @@ def test_history_dependent_rows_run_synchronously(tiny, history_params, sync_ste
               for i in range(len(prompts))]
     a, b, da, _ = _generate_both(_pair(model, tok), prompts, params)
     _assert_same(a, b, exact_logprobs=True)
-    # The first decode steps hold the history-dependent rows: none of them may overlap.
-    assert da["overlapped_decode_steps"] <= da["decode_steps"] - sync_steps
+    assert da["overlapped_decode_steps"] == da["decode_steps"] - 1
+
+
+def test_multi_token_bad_words_run_synchronously(tiny):
+    """A multi-token bad word depends on the last tokens read back: its rows force the engine to drain, so
+    no step that holds one overlaps; once they are done, the rest overlaps again."""
+    model, tok = tiny
+    prompts = random_prompts([8, 13, 19, 6], seed=5)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=SPECIAL_TOKENS if i < 2 else 18, logprobs=1,
+                             ignore_eos=True, **(dict(bad_words=["t300 t301"]) if i < 2 else {}))
+              for i in range(len(prompts))]
+    a, b, da, _ = _generate_both(_pair(model, tok), prompts, params)
+    _assert_same(a, b, exact_logprobs=True)
+    assert da["overlapped_decode_steps"] <= da["decode_steps"] - (SPECIAL_TOKENS - 1)
 
 
 def test_more_prompts_than_slots(tiny):

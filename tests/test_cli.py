@@ -89,6 +89,8 @@ BAD_BENCH_FLAGS = [
     (["--preset", "tiny-llama", "--model", "embedded"], "--preset or --model"),
     (["--engine-args", "{async_decode: false}"], "--engine-args"),
     (["--preset", "qwen3-30b-a3b", "--quantization", "bnb-nf4"], "--quantization runs on llama, qwen3"),
+    (["--sampling-options", "none,greedy"], "--sampling-options: unknown greedy"),
+    (["--sampling-options", "penalties", "--max-tokens", "4"], "min_tokens=8"),
 ]
 
 
@@ -144,6 +146,19 @@ def test_bench_quantized_preset_runs_beside_hf(capsys):
     dense = 2 * 512 * 64 * 4 + (2 * 2 + 1) * 64 * 4            # embed, head, norms
     assert packed + absmax + dense < result["weight_GB"] * 1e9 < packed + absmax + dense + 14 * 2200
     assert result["rows"][0]["hf_tok_s"] > 0 and result["quantization"] == "bnb-fp4"
+
+
+def test_bench_times_decode_with_and_without_penalties(capsys):
+    """--sampling-options none,penalties: one decode row per batch size and set, named in the table."""
+    code, out, _ = run_cli(["bench", "--device", "cpu", "--preset", "tiny-llama", "--batch-sizes", "1,2",
+                            "--max-tokens", "10", "--prompt-len", "8", "--sampling-options", "none,penalties",
+                            "--json", "-"], capsys)
+    assert code == 0
+    rows = __import__("json").loads(out[out.index("{"):])["rows"]
+    assert [(r["batch"], r["sampling"]) for r in rows] == [(1, "none"), (1, "penalties"), (2, "none"),
+                                                           (2, "penalties")]
+    assert all(r["tok_s"] > 0 for r in rows)
+    assert "sampling" in out.split("{")[0] and "penalties" in out.split("{")[0]
 
 
 def test_help_shows_defaults(capsys):

@@ -5,8 +5,9 @@ sampling state is launched before the previous step's tokens are read back, and 
 result is processed while the GPU runs the new step. At most one step is pending. The next step
 assumes every sequence continues; one that stopped (EOS, stop id, stop string) is found a step
 late and its extra token is discarded. Anything that needs the exact host state (a prefill,
-a preemption, penalties / biases / min_tokens / bad words / LoRA rows, the end of `run`)
-drains the pending step first.
+a preemption, multi-token bad words / LoRA rows, the end of `run`) drains the pending step
+first. Penalties, biases, min_tokens and one-token bad words keep their state on the device,
+per slot (`SlotSampling`), so their rows pipeline like any other.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from .page_table import PageTable
 from .runner import ModelRunner
 from .sampler import (
     SamplerOutput,
+    SlotSampling,
     build_sampling_tensors,
     has_static_sampling,
     sampling_to_device,
@@ -148,6 +150,10 @@ class LLMEngine:
             own = int(total * cfg.gpu_memory_utilization) - self.owned_weight_bytes
             # Activations, logits and graph pools need room beyond the cache.
             margin = 2 * 2**30 + cfg.max_num_seqs * self.spec.vocab_size * 4 * 4
+            # The logits processors' per-slot state is allocated only when a request uses it, but
+            # mid-run, when no memory could be freed for it: reserved here (about 0.4 GB at 256
+            # slots and a 152k vocabulary).
+            margin += SlotSampling.max_bytes(self.num_slots, self.spec.vocab_size)
             states = KVCache.state_bytes(self.spec.layers, self.num_slots)
             pages = (min(own, free) - margin - states) // page_bytes
             if pages < 2:
@@ -172,11 +178,13 @@ class LLMEngine:
 
     @_on_engine_device
     def release_kv_cache(self) -> None:
-        """Free the KV cache and the decode graphs that point into it."""
+        """Free the KV cache, the logits processors' slot state and the decode graphs that point
+        into them."""
         if self.scheduler.has_work():
             raise RuntimeError("cannot sleep while requests are running")
         self.invalidate_graphs()
         self.cache.release()
+        self.runner.slot_sampling.release()
         self.pages.reset()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -304,7 +312,12 @@ class LLMEngine:
         for follower in samplers:
             if follower.share_with is not None:
                 self._fork(follower)
-        st = sampling_to_device(build_sampling_tensors(samplers, self.spec.vocab_size), self.device)
+        # Every sampler has just got its slot (admission, a fork, a recompute after preemption):
+        # its processors' rows are written now, from exact host state, and stay on the device.
+        slot_state = self.runner.slot_sampling
+        slot_state.admit(samplers)
+        st = sampling_to_device(build_sampling_tensors(samplers, self.spec.vocab_size, slot_state),
+                                self.device)
         out = self.runner.sample(hidden[rows], st)
         self._append(samplers, out, on_finish)
 
@@ -321,7 +334,8 @@ class LLMEngine:
         seq.share_with = None
 
     def _decode(self, seqs: list[Sequence], on_finish) -> None:
-        out = self.runner.decode(seqs, build_sampling_tensors(seqs, self.spec.vocab_size))
+        st = build_sampling_tensors(seqs, self.spec.vocab_size, self.runner.slot_sampling)
+        out = self.runner.decode(seqs, st)
         self.stats.decode_steps += 1
         for seq in seqs:
             seq.num_computed = seq.num_tokens_with_pending

@@ -7,6 +7,9 @@ page 0, which absorb their writes and attend only to themselves.
 
 The captured step is `ModelRunner.decode_step`: it also picks device-side input ids for rows
 whose previous token is still pending and scatters its own ids into `runner.slot_tokens`.
+The sampler mode names the logits-processor parts a step applies (`SamplingTensors.processors`,
+read from `runner.slot_sampling` by slot); a batch without them keeps a mode with none, and
+its graph does none of that work. A penalties step also counts its tokens into the slot state.
 """
 from __future__ import annotations
 
@@ -70,8 +73,8 @@ class DecodeGraphs:
         self.pool = None
 
     def can_run(self, batch: int, st: SamplingTensors) -> bool:
-        """Steps with per-row biases or penalties run eagerly (their state is not static)."""
-        return batch <= self.buckets[-1] and st.bias is None and st.penalties is None
+        """Steps with host-built bans (multi-token bad words) run eagerly: they change each step."""
+        return batch <= self.buckets[-1] and st.bias is None
 
     def _bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
@@ -102,13 +105,14 @@ class DecodeGraphs:
             copied.synchronize()
         return self.staging[self._turn]
 
-    def _step(self, bucket: int, mode: tuple[bool, bool, int]) -> SamplerOutput:
-        all_greedy, need_truncation, max_logprobs = mode
+    def _step(self, bucket: int, mode: tuple[bool, bool, int, tuple[str, ...]]) -> SamplerOutput:
+        all_greedy, need_truncation, max_logprobs, processors = mode
         gv = {name: t[:bucket] for name, t in self.graph_vars.items()}
         st = SamplingTensors(
             temperature=gv["temperature"], top_k=gv["top_k"], top_p=gv["top_p"], min_p=gv["min_p"],
-            seeds=gv["seeds"], counters=gv["counters"], bias=None, penalties=None,
-            need_truncation=need_truncation, all_greedy=all_greedy, max_logprobs=max_logprobs)
+            seeds=gv["seeds"], counters=gv["counters"], bias=None,
+            need_truncation=need_truncation, all_greedy=all_greedy, max_logprobs=max_logprobs,
+            slots=gv["slots"], processors=processors, slot_state=self.runner.slot_sampling)
         return self.runner.decode_step(gv["input_ids"], gv["from_device"], gv["positions"],
                                        gv["slot_mapping"], gv["slots"], st)
 
@@ -116,14 +120,17 @@ class DecodeGraphs:
         start = time.perf_counter()
         stream = self.capture_stream
         stream.wait_stream(torch.cuda.current_stream())
-        # Warm-up steps scatter their ids into slot_tokens; the real step (the first replay)
-        # must still read the pending ids of the previous step, so each warm-up is undone.
-        slot_tokens = self.runner.slot_tokens
+        # Warm-up steps scatter their ids into slot_tokens (and, with penalties, count them into
+        # the slots' counts); the real step (the first replay) must still read the pending ids of
+        # the previous step and the counts so far, so each warm-up is undone.
+        slot_tokens, counting = self.runner.slot_tokens, "penalties" in mode[3]
         with torch.cuda.stream(stream):
             saved = slot_tokens.clone()
             for _ in range(2):                   # compile kernels and settle allocations first
-                self._step(bucket, mode)
+                out = self._step(bucket, mode)
                 slot_tokens.copy_(saved)
+                if counting:
+                    self.runner.slot_sampling.count(self.graph_vars["slots"][:bucket], out.token_ids, -1.0)
         torch.cuda.current_stream().wait_stream(stream)
         # cuBLAS keeps one workspace per (handle, stream) until cleared. Cleared before, the
         # capture takes its own from the graph pool: reusing the warm-up's eager one would leave
@@ -145,7 +152,7 @@ class DecodeGraphs:
     def run(self, inputs: dict[str, list[int]], st: SamplingTensors) -> SamplerOutput:
         batch = len(inputs["input_ids"])
         bucket = self._bucket(batch)
-        mode = (st.all_greedy, st.need_truncation, st.max_logprobs)
+        mode = (st.all_greedy, st.need_truncation, st.max_logprobs, st.processors)
         self._fill(inputs, st, batch, bucket)
         key = (bucket, mode)
         if key not in self.graphs:

@@ -17,7 +17,13 @@ from ..attention.kv_cache import KVCache
 from ..attention.masks import decode_block_mask, prefill_block_mask, prefill_page_lists
 from ..lora.batch import LoraBatch
 from .page_table import PageTable
-from .sampler import SamplerOutput, SamplingTensors, sample, sampling_to_device
+from .sampler import (
+    SamplerOutput,
+    SamplingTensors,
+    SlotSampling,
+    sample,
+    sampling_to_device,
+)
 from .sequence import Sequence
 
 
@@ -37,6 +43,8 @@ class ModelRunner:
         # The last id each slot sampled in decode (slot 0 absorbs padding rows). Fixed address:
         # captured graphs read and write it.
         self.slot_tokens = torch.zeros(pages.max_slots + 1, dtype=torch.long, device=device)
+        # Logits processors' per-slot state (penalty counts, bias rows, ...), allocated on demand.
+        self.slot_sampling = SlotSampling(pages.max_slots + 1, forward.spec.vocab_size, device)
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

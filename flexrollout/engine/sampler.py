@@ -10,13 +10,24 @@ logits, and a token is drawn by the Gumbel-max trick (exact sampling from the tr
 The Gumbel noise is a counter-based hash of (row seed, position, token id): a seeded request
 draws the same tokens whatever else shares its batch and whatever slot it sits in, and nothing
 in here needs a host sync or a data-dependent shape, so it can live inside a CUDA graph.
+
+The logits processors' state lives on the device, one row per batch slot (`SlotSampling`), and
+is indexed by each row's slot: static bias rows (allowed_token_ids, logit_bias, one-token bad
+words), the min_tokens stop ban, and the penalties' counts and prompt mask, which the step itself
+increments with the token it draws. So a step that applies them needs nothing from the host but
+its slots, and replays from a CUDA graph. Multi-token bad words depend on the last generated
+tokens: their bans are still built on the host each step (`SamplingTensors.bias`), and such steps
+run eagerly and synchronously.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _MASK32 = 0xFFFFFFFF
 
@@ -82,11 +93,13 @@ class SamplingTensors:
     min_p: torch.Tensor              # (B,) float
     seeds: torch.Tensor              # (B,) int64
     counters: torch.Tensor           # (B,) int64: position of the token being drawn
-    bias: torch.Tensor | None        # (B, V) additive (logit_bias, bans) or None
-    penalties: tuple | None          # (rep, freq, pres, counts, prompt_mask) or None
+    bias: torch.Tensor | None        # (B, V) additive bans of multi-token bad words, or None
     need_truncation: bool            # any row uses top-k / top-p / min-p
     all_greedy: bool
     max_logprobs: int                # largest `logprobs` k in the batch; -1 when none asked
+    slots: torch.Tensor | None = None                # (B,) int64 batch slot of each row
+    processors: tuple[str, ...] = ()                 # parts of `slot_state` this step applies
+    slot_state: SlotSampling | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -163,15 +176,14 @@ def _fused(fn):
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
-    """logits: (B, V) fp32 -> sampled ids (and logprobs when asked)."""
-    if st.bias is not None:
-        logits = logits + st.bias
-    if st.penalties is not None:
-        logits = apply_penalties(logits, st.penalties)
+    """logits: (B, V) fp32 -> sampled ids (and logprobs when asked). A step with processors also
+    counts its drawn tokens into their slots' penalty counts."""
+    fused = _fused if logits.is_cuda else (lambda fn: fn)
+    if st.processors or st.bias is not None:
+        logits = fused(process_logits)(logits, st.counters, st.bias, *_slot_args(st))
     greedy = st.temperature == 0
     temperature = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
     logits = logits / temperature[:, None]
-    fused = _fused if logits.is_cuda else (lambda fn: fn)
 
     lp = top_ids = top_lp = ranks = None
     if st.all_greedy:
@@ -184,65 +196,213 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         if st.max_logprobs > 0:
             top_logits, top_ids = logits.topk(st.max_logprobs, dim=-1)
             top_lp = top_logits - lse[:, None]
+    if "penalties" in st.processors:
+        st.slot_state.count(st.slots, token_ids)
     return SamplerOutput(token_ids, lp, ranks, top_ids, top_lp)
 
 
-def _bias_rows(seqs, vocab: int) -> torch.Tensor | None:
-    """Additive (B, V) row biases: allowed_token_ids, bad words, logit_bias, min_tokens bans."""
-    rows = []
-    for seq in seqs:
-        p = seq.params
-        bans = seq.banned_next_tokens()
-        holding_stop = seq.num_generated + seq.num_pending < p.min_tokens
-        if not (p.allowed_token_ids or p.logit_bias or bans or holding_stop):
-            rows.append(None)
-            continue
-        row = torch.zeros(vocab)
-        if p.allowed_token_ids:
-            row.fill_(float("-inf"))
-            row[list(p.allowed_token_ids)] = 0.0
-        for token, value in (p.logit_bias or {}).items():
-            row[int(token)] += float(value)
-        banned = list(bans) + (list(seq.stop_ids) if holding_stop else [])
-        if banned:
-            row[banned] = float("-inf")
-        rows.append(row)
-    if all(r is None for r in rows):
-        return None
-    zero = torch.zeros(vocab)
-    return torch.stack([zero if r is None else r for r in rows])
+def _slot_args(st: SamplingTensors) -> tuple:
+    """`process_logits`' per-slot arguments: all None when the step applies no part."""
+    if not st.processors:
+        return (st.slots,) + (None,) * 6
+    return st.slot_state.step_tensors(st.slots, st.processors)
+
+
+def process_logits(logits: torch.Tensor, counters: torch.Tensor, bans: torch.Tensor | None,
+                   slots: torch.Tensor, bias: torch.Tensor | None, stop_mask: torch.Tensor | None,
+                   min_end: torch.Tensor | None, penalty_params: torch.Tensor | None,
+                   counts: torch.Tensor | None, prompt_mask: torch.Tensor | None) -> torch.Tensor:
+    """The logits processors in the module's order, over per-slot state gathered by `slots`
+    (a part that is None is skipped): the static bias row, the host-built bans, min_tokens' stop
+    ids while fewer than min_tokens are generated, then the penalties. On CUDA this is compiled:
+    the gathers fold into one pass instead of a dozen (B, V) temporaries."""
+    if bias is not None:
+        logits = logits + bias[slots]
+    if bans is not None:
+        logits = logits + bans
+    if stop_mask is not None:
+        holding = counters < min_end[slots]
+        logits = logits.masked_fill(stop_mask[slots] & holding[:, None], float("-inf"))
+    if penalty_params is not None:
+        rep, freq, pres = penalty_params[:, slots]
+        logits = apply_penalties(logits, (rep, freq, pres, counts[slots], prompt_mask[slots]))
+    return logits
+
+
+# The parts of the per-slot state, each allocated when a request first needs it.
+SLOT_PARTS = ("bias", "min_tokens", "penalties")
+
+
+def slot_parts(seq) -> tuple[str, ...]:
+    """The parts of `SlotSampling` this sequence's rows use."""
+    p = seq.params
+    wanted = {
+        "bias": bool(p.allowed_token_ids or p.logit_bias or seq.one_token_bad_words),
+        "min_tokens": p.min_tokens > 0 and bool(seq.stop_ids),
+        "penalties": (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                      or p.presence_penalty != 0.0),
+    }
+    return tuple(part for part in SLOT_PARTS if wanted[part])
+
+
+def step_parts(seqs) -> tuple[str, ...]:
+    """The parts a step over `seqs` applies: those any of its rows uses (the others' rows are
+    neutral). Static for a sequence's life, so a decode batch keeps one graph mode."""
+    used = {part for seq in seqs for part in slot_parts(seq)}
+    return tuple(part for part in SLOT_PARTS if part in used)
+
+
+class SlotSampling:
+    """The logits processors' state, one row per batch slot, on the engine's device.
+
+    Rows are written when a sequence gets its slot, at the sampling of its prefill (the host
+    state is exact there: counts cover the tokens generated before a preemption); every admitted
+    row is written, the neutral values included, so a reused slot inherits nothing. Penalty
+    counts then grow on the device with each drawn token (`count`), inside the step. A step
+    gathers rows by slot, so it needs no host-built (B, V) tensor and can replay from a graph;
+    padding rows read and write slot 0, which no sequence holds.
+
+    Each part is allocated when a request first needs it (10 bytes per slot and vocab entry for
+    all three: 390 MB at 257 slots x 152k) and dropped on sleep with the KV cache.
+    """
+
+    def __init__(self, num_slots: int, vocab: int, device: torch.device) -> None:
+        self.num_slots, self.vocab, self.device = num_slots, vocab, device
+        self.release()
+
+    @staticmethod
+    def max_bytes(num_slots: int, vocab: int) -> int:
+        """Every part allocated: bias and counts fp32, two bool masks, per-slot scalars."""
+        return num_slots * (vocab * (4 + 4 + 1 + 1) + 3 * 4 + 8)
+
+    def release(self) -> None:
+        self.bias: torch.Tensor | None = None           # (slots, V) additive, -inf bans
+        self.stop_mask: torch.Tensor | None = None      # (slots, V) stop ids held back by min_tokens
+        self.min_end: torch.Tensor | None = None        # (slots,) position before which they are
+        self.penalty_params: torch.Tensor | None = None  # (3, slots): repetition, frequency, presence
+        self.counts: torch.Tensor | None = None         # (slots, V) generated-token counts
+        self.prompt_mask: torch.Tensor | None = None    # (slots, V) prompt tokens
+
+    def allocated(self, part: str) -> bool:
+        return {"bias": self.bias, "min_tokens": self.stop_mask, "penalties": self.counts}[part] is not None
+
+    def _allocate(self, part: str) -> None:
+        shape, kw = (self.num_slots, self.vocab), {"device": self.device}
+        if part == "bias":
+            self.bias = torch.zeros(shape, **kw)
+            tensors = (self.bias,)
+        elif part == "min_tokens":
+            self.stop_mask = torch.zeros(shape, dtype=torch.bool, **kw)
+            self.min_end = torch.zeros(self.num_slots, dtype=torch.long, **kw)
+            tensors = (self.stop_mask, self.min_end)
+        else:
+            self.counts = torch.zeros(shape, **kw)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, **kw)
+            # Neutral for every slot: rows admitted before this part existed apply nothing.
+            self.penalty_params = torch.tensor([[1.0], [0.0], [0.0]], **kw).repeat(1, self.num_slots)
+            tensors = (self.counts, self.prompt_mask, self.penalty_params)
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        logger.info("logits-processor state '%s': %.1f MiB (%d slots x %d vocab)",
+                    part, size / 2**20, self.num_slots, self.vocab)
+
+    @torch.inference_mode()
+    def admit(self, seqs) -> None:
+        """Write the rows of sequences about to draw their first token in their slots. (Inference
+        mode, like the steps that update them: tensors made under it may only change under it,
+        whatever mode the caller of `generate` is in.)"""
+        for part in SLOT_PARTS:
+            if not self.allocated(part) and any(part in slot_parts(seq) for seq in seqs):
+                self._allocate(part)
+        slots = self._ids([seq.slot for seq in seqs])
+        if self.bias is not None:
+            self._admit_bias(seqs, slots)
+        if self.stop_mask is not None:
+            self._admit_min_tokens(seqs, slots)
+        if self.counts is not None:
+            self._admit_penalties(seqs, slots)
+
+    def _ids(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _put(self, target: torch.Tensor, cells: list[tuple[int, int]], value, accumulate=False) -> None:
+        """target[slot, token] = value (or += value) at each (slot, token) of `cells`."""
+        if not cells:
+            return
+        rows, cols = zip(*cells)
+        values = torch.as_tensor(value, dtype=target.dtype).expand(len(cells)).to(self.device)
+        target.index_put_((self._ids(rows), self._ids(cols)), values, accumulate=accumulate)
+
+    def _admit_bias(self, seqs, slots: torch.Tensor) -> None:
+        """allowed_token_ids (-inf outside the set), plus logit_bias, then one-token bad words
+        banned: the order `_bias_rows` used to build these rows in on the host."""
+        self.bias.index_fill_(0, slots, 0.0)
+        allowed = [seq for seq in seqs if seq.params.allowed_token_ids]
+        if allowed:
+            self.bias.index_fill_(0, self._ids([seq.slot for seq in allowed]), float("-inf"))
+            self._put(self.bias, [(seq.slot, t) for seq in allowed for t in seq.params.allowed_token_ids], 0.0)
+        biased = [(seq.slot, int(t), float(v)) for seq in seqs for t, v in (seq.params.logit_bias or {}).items()]
+        if biased:
+            rows, cols, values = zip(*biased)
+            self.bias.index_put_((self._ids(rows), self._ids(cols)),
+                                 torch.tensor(values).to(self.device), accumulate=True)
+        self._put(self.bias, [(seq.slot, t) for seq in seqs for t in seq.one_token_bad_words], float("-inf"))
+
+    def _admit_min_tokens(self, seqs, slots: torch.Tensor) -> None:
+        self.stop_mask.index_fill_(0, slots, False)
+        held = [seq for seq in seqs if "min_tokens" in slot_parts(seq)]
+        self._put(self.stop_mask, [(seq.slot, t) for seq in held for t in seq.stop_ids], True)
+        ends = [seq.num_prompt_tokens + seq.params.min_tokens if seq in held else 0 for seq in seqs]
+        self.min_end.index_copy_(0, slots, self._ids(ends))
+
+    def _admit_penalties(self, seqs, slots: torch.Tensor) -> None:
+        self.counts.index_fill_(0, slots, 0.0)
+        self.prompt_mask.index_fill_(0, slots, False)
+        self._put(self.counts, [(seq.slot, t) for seq in seqs for t in seq.generated_ids], 1.0, accumulate=True)
+        self._put(self.prompt_mask, [(seq.slot, t) for seq in seqs
+                                     for t in seq.token_ids[:seq.num_prompt_tokens]], True)
+        params = torch.tensor([[seq.params.repetition_penalty, seq.params.frequency_penalty,
+                                seq.params.presence_penalty] for seq in seqs], dtype=torch.float32)
+        self.penalty_params.index_copy_(1, slots, params.T.contiguous().to(self.device))
+
+    def step_tensors(self, slots: torch.Tensor, parts: tuple[str, ...]) -> tuple:
+        """`process_logits`' state arguments for a step applying `parts`."""
+        use_bias, use_min, use_pen = (part in parts for part in SLOT_PARTS)
+        return (slots, self.bias if use_bias else None,
+                self.stop_mask if use_min else None, self.min_end if use_min else None,
+                self.penalty_params if use_pen else None, self.counts if use_pen else None,
+                self.prompt_mask if use_pen else None)
+
+    def count(self, slots: torch.Tensor, token_ids: torch.Tensor, step: float = 1.0) -> None:
+        """Add each drawn token to its slot's counts (`step=-1` takes a graph warm-up's back).
+        Atomic adds of integers: exact, in any order, and capturable."""
+        flat = slots * self.vocab + token_ids
+        self.counts.view(-1).index_add_(0, flat, torch.full(flat.shape, step, device=flat.device))
 
 
 def has_static_sampling(seq) -> bool:
-    """This row needs no bias row and no penalty counts: its settings do not depend on the
-    tokens generated so far, so its step can be built before the previous token is read back
-    (and replayed from a CUDA graph). Mirrors `_bias_rows` and `_penalty_state`."""
-    p = seq.params
-    return not (p.allowed_token_ids or p.logit_bias or seq.bad_words_ids
-                or seq.num_generated + seq.num_pending < p.min_tokens
-                or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                or p.presence_penalty != 0.0)
+    """This row's next step can be built before its previous token is read back (and replayed
+    from a CUDA graph): everything but multi-token bad words lives in `SlotSampling` on the
+    device. Multi-token bad words match the last generated tokens on the host (`_bad_word_bans`);
+    matching them on the device would need a per-slot token history -- left for when a user
+    needs bad words at speed."""
+    return not seq.multi_token_bad_words
 
 
-def _penalty_state(seqs, vocab: int) -> tuple | None:
-    params = [s.params for s in seqs]
-    if all(p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-           for p in params):
+def _bad_word_bans(seqs, vocab: int) -> torch.Tensor | None:
+    """Additive (B, V) -inf bans: last tokens of multi-token bad words whose other tokens end the
+    output so far (vLLM's rule)."""
+    bans = [seq.banned_next_tokens() for seq in seqs]
+    if not any(bans):
         return None
-    counts = torch.zeros(len(seqs), vocab)
-    prompt_mask = torch.zeros(len(seqs), vocab, dtype=torch.bool)
-    for row, seq in enumerate(seqs):
-        generated = torch.tensor(seq.generated_ids, dtype=torch.long)
-        counts[row].index_add_(0, generated, torch.ones(len(generated)))
-        prompt_mask[row, torch.tensor(seq.token_ids[:seq.num_prompt_tokens], dtype=torch.long)] = True
-    rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
-    freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
-    pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
-    return rep, freq, pres, counts, prompt_mask
+    rows = torch.zeros(len(seqs), vocab)
+    for row, banned in enumerate(bans):
+        rows[row, banned] = float("-inf")
+    return rows
 
 
-def build_sampling_tensors(seqs, vocab: int) -> SamplingTensors:
-    """Per-row settings of the sequences about to draw their next token, as host tensors."""
+def build_sampling_tensors(seqs, vocab: int, slot_state: SlotSampling | None = None) -> SamplingTensors:
+    """Per-row settings of the sequences about to draw their next token, as host tensors. Rows
+    using processors need `slot_state`, their rows written by `SlotSampling.admit`."""
     params = [s.params for s in seqs]
     top_k = [p.top_k if p.top_k and p.top_k > 0 else vocab for p in params]
     top_p = [float(p.top_p) for p in params]
@@ -250,6 +410,9 @@ def build_sampling_tensors(seqs, vocab: int) -> SamplingTensors:
     temperature = [float(p.temperature) for p in params]
     need_truncation = any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p) or any(min_p)
     logprob_ks = [p.logprobs for p in params if p.logprobs is not None]
+    processors = step_parts(seqs)
+    if processors and slot_state is None:
+        raise ValueError(f"rows use logits processors {processors} but no slot state was given")
     return SamplingTensors(
         temperature=torch.tensor(temperature, dtype=torch.float32),
         top_k=torch.tensor(top_k, dtype=torch.int64),
@@ -257,15 +420,17 @@ def build_sampling_tensors(seqs, vocab: int) -> SamplingTensors:
         min_p=torch.tensor(min_p, dtype=torch.float32),
         seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64),
         counters=torch.tensor([s.num_tokens_with_pending for s in seqs], dtype=torch.int64),
-        bias=_bias_rows(seqs, vocab),
-        penalties=_penalty_state(seqs, vocab),
+        bias=_bad_word_bans(seqs, vocab),
         need_truncation=need_truncation,
         all_greedy=all(t == 0 for t in temperature),
         max_logprobs=max((vocab if k == -1 else k for k in logprob_ks), default=-1),
+        slots=torch.tensor([s.slot for s in seqs], dtype=torch.int64),
+        processors=processors,
+        slot_state=slot_state,
     )
 
 
-_ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "counters")
+_ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "counters", "slots")
 
 
 def sampling_to_device(st: SamplingTensors, device: torch.device) -> SamplingTensors:
@@ -275,9 +440,9 @@ def sampling_to_device(st: SamplingTensors, device: torch.device) -> SamplingTen
     packed = pack_rows([getattr(st, f) for f in _ROW_FIELDS]).to(device, non_blocking=True)
     moved = {f: unpack_row(packed[i], getattr(st, f).dtype) for i, f in enumerate(_ROW_FIELDS)}
     bias = None if st.bias is None else st.bias.to(device, non_blocking=True)
-    penalties = None if st.penalties is None else tuple(t.to(device) for t in st.penalties)
-    return SamplingTensors(**moved, bias=bias, penalties=penalties, need_truncation=st.need_truncation,
-                           all_greedy=st.all_greedy, max_logprobs=st.max_logprobs)
+    return SamplingTensors(**moved, bias=bias, need_truncation=st.need_truncation,
+                           all_greedy=st.all_greedy, max_logprobs=st.max_logprobs,
+                           processors=st.processors, slot_state=st.slot_state)
 
 
 def pack_rows(rows: list[torch.Tensor]) -> torch.Tensor:

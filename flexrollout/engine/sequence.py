@@ -42,7 +42,7 @@ class Sequence:
     detok_stream: object | None = field(default=None, repr=False)   # tokenizers' DecodeStream
     detok_fed: int = 0                 # generated tokens the DecodeStream has seen
     lora: object | None = None         # the Adapter a LoRARequest named, or None
-    share_with: "Sequence | None" = field(default=None, repr=False)   # group leader whose prompt KV it reuses
+    share_with: Sequence | None = field(default=None, repr=False)   # group leader whose prompt KV it reuses
 
     @property
     def num_tokens(self) -> int:
@@ -70,14 +70,22 @@ class Sequence:
         """True until every known token (prompt, and generated ones after a preemption) is cached."""
         return self.num_computed < self.num_tokens - 1 or self.num_computed == 0
 
+    @property
+    def one_token_bad_words(self) -> list[int]:
+        """Bad words of one token: banned at every step (a static ban)."""
+        return [word[0] for word in self.bad_words_ids if len(word) == 1]
+
+    @property
+    def multi_token_bad_words(self) -> list[list[int]]:
+        return [word for word in self.bad_words_ids if len(word) > 1]
+
     def banned_next_tokens(self) -> list[int]:
-        """Last tokens of bad words whose other tokens end the output so far (vLLM's rule)."""
-        if not self.bad_words_ids:
-            return []
+        """Last tokens of multi-token bad words whose other tokens end the output so far (vLLM's
+        rule); one-token words are banned separately, once per slot."""
         banned = []
         generated = self.generated_ids
-        for word in self.bad_words_ids:
+        for word in self.multi_token_bad_words:
             prefix = word[:-1]
-            if not prefix or (len(generated) >= len(prefix) and generated[-len(prefix):] == prefix):
+            if len(generated) >= len(prefix) and generated[-len(prefix):] == prefix:
                 banned.append(word[-1])
         return banned
