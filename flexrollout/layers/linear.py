@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from ..kernels import lora as lora_kernels
 from ..kernels import small_linear as gemv
 from ..lora.live import active_adapters
 from .quant import project_4bit, quant_state_of
@@ -24,12 +25,16 @@ from .quant import project_4bit, quant_state_of
 class Kernels:
     """How this step's projections run: the small-batch GEMV kernel (`small`: the batch has at
     most its row limit; `pdl`: launched with programmatic dependent launch), and the q/k/v
-    epilogue kernel after the projections in decode, and the grouped GEMV of small MoE steps."""
+    epilogue kernel after the projections in decode, and the grouped GEMV of small MoE steps.
+    `lora_small`: projections with a live adapter run the GEMV with the adapter folded in, at
+    up to `lora_kernels.max_rows` rows (64 for 16-bit models: past `small`'s limit, where the
+    fused adapter beats cuBLAS plus separate low-rank kernels)."""
 
     small: bool = False
     pdl: bool = True
     epilogue: bool = True
     expert_rows: int = 0      # MoE steps of at most this many (token, expert) rows: grouped GEMV
+    lora_small: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,11 @@ def read_linear(module: torch.nn.Module, merged=None) -> Linear:
 
 def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Tensor:
     """x @ W^T + b + sum(scaling * B (A x)) for (T, in) rows."""
+    if len(p.lora) > 0 and _on_gemv(x, [p], kernels):
+        low_rank, lora_b = _shrink(x, [p], kernels)
+        out = gemv.small_linear(x, p.weight, pdl=kernels.pdl, low_rank=low_rank, b0=lora_b[0])
+        out = out.sum(0).to(x.dtype)
+        return out if p.bias is None else out + p.bias
     if p.quant is not None:
         out = project_4bit(x, p.weight, p.quant, p.bias)
     else:
@@ -111,14 +121,56 @@ def gemv_ready(p: Linear) -> bool:
     return p.quant is not None or gemv.weight_supported(p.weight)
 
 
+def _fusable(p: Linear) -> bool:
+    """The GEMV kernel can compute this projection: plain, or with one live adapter of a rank
+    it takes (LoRARequest rows, several live adapters and 4-bit weights run `linear`)."""
+    if p.plain:
+        return True
+    if len(p.lora) != 1 or len(p.row_lora) != 0 or p.live_mask is not None or p.quant is not None:
+        return False
+    lora_a, lora_b, _ = p.lora[0]
+    return (lora_a.shape[0] <= lora_kernels.MAX_RANK and lora_a.is_contiguous()
+            and lora_b.is_contiguous())
+
+
+def _on_gemv(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bool:
+    """These projections of `x` run the GEMV kernel: a small batch of projections it can
+    compute, or a live-LoRA batch within its LoRA row limit."""
+    if not all(_fusable(p) for p in projections):
+        return False
+    adapted = any(len(p.lora) > 0 for p in projections)
+    if not adapted:
+        return kernels.small            # (the engine turns it on only where every weight fits)
+    rows_fit = kernels.small or (kernels.lora_small and x.shape[0] <= lora_kernels.max_rows(x.dtype))
+    # An adapted LM head is not covered by the engine's check of the layers' weights.
+    return rows_fit and (not x.is_cuda or all(gemv.weight_supported(p.weight) for p in projections))
+
+
+def _shrink(x: torch.Tensor, projections: list[Linear], kernels: Kernels):
+    """s * A x of the projections' live adapters in one launch (fp32 partials, slot i for
+    projection i), and each projection's B (None without an adapter); (None, Nones) when none
+    has one."""
+    adapters = [p.lora[0] if len(p.lora) > 0 else None for p in projections]
+    adapters += [None] * (3 - len(adapters))
+    lora_b = [None if a is None else a[1] for a in adapters]
+    if all(a is None for a in adapters):
+        return None, lora_b
+    lora_a = [None if a is None else a[0] for a in adapters]
+    scales = [0.0 if a is None else float(a[2]) for a in adapters]
+    return lora_kernels.lora_shrink(x, *lora_a, *scales, pdl=kernels.pdl), lora_b
+
+
 def project_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:
-    """Several projections of one input (q/k/v). Small batches of plain projections run as one
-    GEMV launch and come back as fp32 partial sums (split, T, width) each, for a consumer that
-    sums them (the q/k/v epilogue, or `finish_group`); otherwise each is a full (T, out) result
-    with its bias."""
-    if kernels.small and len(projections) <= 3 and all(p.plain for p in projections):
+    """Several projections of one input (q/k/v). Small batches run as one GEMV launch (live
+    adapters folded in: one more launch computes their s * A x) and come back as fp32 partial
+    sums (split, T, width) each, for a consumer that sums them (the q/k/v epilogue, or
+    `finish_group`); otherwise each is a full (T, out) result with its bias."""
+    if len(projections) <= 3 and _on_gemv(x, projections, kernels):
         widths = [p.weight.shape[0] for p in projections]
-        partials = gemv.small_linear(x, *[p.weight for p in projections], pdl=kernels.pdl)
+        weights = [p.weight for p in projections] + [None] * (3 - len(projections))
+        low_rank, lora_b = _shrink(x, projections, kernels)
+        partials = gemv.small_linear(x, *weights, pdl=kernels.pdl, low_rank=low_rank,
+                                     b0=lora_b[0], b1=lora_b[1], b2=lora_b[2])
         return list(partials.split(widths, dim=-1))
     return [linear(x, p, kernels) for p in projections]
 
@@ -135,9 +187,10 @@ def finish_group(outputs: list[torch.Tensor], projections: list[Linear], dtype: 
 
 
 def gated_act(x: torch.Tensor, gate: Linear, up: Linear, act, kernels: Kernels) -> torch.Tensor:
-    """act(gate(x)) * up(x). Small batches with plain SiLU projections run as one GEMV launch
-    whose epilogue applies SiLU(gate) * up."""
-    if kernels.small and act is F.silu and gate.plain and up.plain and gate.bias is None \
-            and up.bias is None:
-        return gemv.small_linear(x, gate.weight, up.weight, silu_mul=True, pdl=kernels.pdl)[0]
+    """act(gate(x)) * up(x). Small batches of SiLU projections run as one GEMV launch whose
+    epilogue applies SiLU(gate) * up (live adapters folded in before it)."""
+    if act is F.silu and gate.bias is None and up.bias is None and _on_gemv(x, [gate, up], kernels):
+        low_rank, lora_b = _shrink(x, [gate, up], kernels)
+        return gemv.small_linear(x, gate.weight, up.weight, silu_mul=True, pdl=kernels.pdl,
+                                 low_rank=low_rank, b0=lora_b[0], b1=lora_b[1])[0]
     return act(linear(x, gate, kernels)) * linear(x, up, kernels)
