@@ -49,21 +49,23 @@ def _relerr(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("rank", [16, 32, 64])
-@pytest.mark.parametrize("rows", [1, 8, 32, 33, 64])
+@pytest.mark.parametrize("rows", [1, 8, 32, 33, 64, 65, 300])
 def test_folded_gemv_bf16_at_qwen3_4b_shapes(rank, rows):
     """q/k/v (v unadapted), gate/up with SiLU-mul, o and down as the engine calls them: within
-    PEFT's own bf16 error of float64 (one rounding instead of PEFT's two)."""
+    PEFT's own bf16 error of float64 (one rounding instead of PEFT's two). Up to 64 rows the
+    GEMV with the adapter folded in; past it cuBLAS plus the expand kernel."""
     g = torch.Generator().manual_seed(rank * 100 + rows)
     q, k, v = _projection(4096, 2560, rank, g), _projection(1024, 2560, rank, g), _projection(1024, 2560, 0, g)
     gate, up = _projection(9728, 2560, rank, g), _projection(9728, 2560, rank, g)
     o, down = _projection(2560, 4096, rank, g), _projection(2560, 9728, rank, g)
-    kernels = Kernels(small=rows <= 32, lora_small=True)
+    kernels = Kernels(small=rows <= 32, lora_small=rows <= 64)
     x = torch.randn(rows, 2560, generator=g).to("cuda", torch.bfloat16)
     with torch.no_grad():
         outs = project_group(x, [q, k, v], kernels)
-        assert all(out.dim() == 3 for out in outs), "q/k/v should run as one GEMV launch"
+        gemv = rows <= 64
+        assert all(out.dim() == (3 if gemv else 2) for out in outs), "q/k/v: one GEMV launch"
         for out, p in zip(outs, (q, k, v)):
-            got = out.sum(0).to(torch.bfloat16)
+            got = out.sum(0).to(torch.bfloat16) if gemv else out
             assert _relerr(got, _exact(x, p)) <= 1.2 * _relerr(_peft_way(x, p), _exact(x, p)) + 1e-4
         act = gated_act(x, gate, up, F.silu, kernels)
         want = F.silu(_exact(x, gate)) * _exact(x, up)

@@ -75,6 +75,39 @@ def test_shrink_and_folded_gemv_match_float64_in_triton_interpreter(name):
     run_fresh_python(_CHECK.format(dtype=dtype, cases=CASES[name]), triton_interpret=True)
 
 
+_EXPAND_CHECK = textwrap.dedent("""
+    import torch
+    from flexrollout.kernels import lora as lk
+    dtype = getattr(torch, "{dtype}")
+    for case_index, (m, k, n, rank, slot) in enumerate({cases}):
+        torch.manual_seed(case_index)
+        x = torch.randn(m, k).to(dtype)
+        a = torch.randn(rank, k) / k ** 0.5             # PEFT's fp32 adapter
+        b = torch.randn(n, rank)
+        adapters = [None, None, None]
+        adapters[slot] = a
+        low_rank = lk.launch(x, *adapters, (1.5, 1.5, 1.5))
+        base = (x.double() @ torch.randn(n, k).double().T).to(dtype)     # a cuBLAS output
+        r_block = lk.rank_block([rank])
+        out = lk.launch_expand(base, low_rank, b, slot, r_block)
+        # PEFT's order: the base output plus the fp32 delta, rounded once.
+        ref = base.double() + 1.5 * (x.double() @ a.double().T) @ b.double().T
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        tol = 1e-6 if dtype == torch.float32 else 1e-3
+        assert out.dtype == dtype and err < tol, (case_index, err)
+        cpu = lk.lora_expand(base, low_rank, b, slot, r_block)
+        assert ((cpu.double() - ref).norm() / ref.norm()).item() < tol
+""")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_expand_past_the_gemv_matches_float64_in_triton_interpreter(dtype):
+    """Batches past the GEMV (prefill, large decode batches): cuBLAS output + B (s A x)."""
+    pytest.importorskip("triton")
+    cases = [(1, 256, 200, 8, 0), (70, 256, 130, 64, 1), (130, 384, 64, 16, 2)]
+    run_fresh_python(_EXPAND_CHECK.format(dtype=dtype, cases=cases), triton_interpret=True)
+
+
 # -- the layer functions: live adapters routed to the GEMV, LoRARequest rows kept off it -------
 
 def _projection(n: int, k: int, rank: int, scale: float, dtype=torch.float32) -> Linear:

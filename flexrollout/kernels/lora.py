@@ -8,7 +8,13 @@ to its fp32 sums before its epilogue (q/k/v partials, SiLU-mul): so a live adapt
 extra launch per group of projections (q/k/v, gate/up, o, down) and reads each adapter's bytes
 once, and the fused epilogues still apply.
 
-The result is fp32 partial sums (split, M, slots * R): K is cut into `split` slices so that
+Batches past the GEMV's row limit (prefill, large decode batches) keep cuBLAS for W x and add the
+adapter with `lora_expand`: base + B (s A x), read in place (B in its own dtype), rounded once to
+the base's dtype (PEFT's order: the bf16 base output plus the fp32 delta). So no batch size casts
+the adapters per step, and a projection group runs one shrink plus one expand per projection
+instead of two casts, two GEMMs and an add per projection.
+
+The shrink's result is fp32 partial sums (split, M, slots * R): K is cut into `split` slices so that
 enough programs stream the A matrices (each is only r x K), and the consumer sums the slices
 (a few (M, R) tiles). Slot i (columns [i R, (i + 1) R)) holds matrix i's adapter, R being the
 largest rank rounded up to a power of two (>= 16, the smallest dot tile); columns past a
@@ -110,6 +116,40 @@ def _kernel():
 
 
 @functools.cache
+def _expand_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def lora_expand_kernel(base_ptr, la_ptr, b_ptr, out_ptr, M, N, rank, slot, stride_bm,
+                           stride_om, stride_la_split, stride_la_m,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
+                           LA_SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_r = tl.arange(0, R)
+        precision: tl.constexpr = "ieee" if IEEE else "tf32"
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        la_mask = (offs_m[:, None] < M) & (offs_r[None, :] < rank)
+        la = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for s in tl.static_range(LA_SPLIT):
+            la += tl.load(la_ptr + s * stride_la_split + offs_m[:, None] * stride_la_m
+                          + slot * R + offs_r[None, :], mask=la_mask, other=0.0)
+        b = tl.load(b_ptr + offs_n[:, None] * rank + offs_r[None, :],
+                    mask=(offs_n[:, None] < N) & (offs_r[None, :] < rank), other=0.0)
+        delta = tl.dot(la, tl.trans(b.to(tl.float32)), input_precision=precision)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        base = tl.load(base_ptr + offs_m[:, None] * stride_bm + offs_n[None, :], mask=mask, other=0.0)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                 (base.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=mask)
+
+    return lora_expand_kernel
+
+
+@functools.cache
 def _pdl_ok(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
@@ -148,6 +188,41 @@ def launch(x, a0, a1, a2, scales, pdl: bool = False) -> torch.Tensor:
         x, *adapters, out, m, k, k_per, *ranks, *(float(s) for s in scales), x.stride(0),
         out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_K=BLOCK_K, R=r_block,
         IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=4, num_stages=2, **extra)
+    return out
+
+
+@torch.library.custom_op("flexrollout::lora_expand", mutates_args=())
+def lora_expand(base: torch.Tensor, low_rank: torch.Tensor, b: torch.Tensor, slot: int,
+                r_block: int, pdl: bool = True) -> torch.Tensor:
+    """base + B (s A x) rounded once to base's dtype: `base` (M, N) a projection's output,
+    `low_rank` the shrink's partials, `b` (N, rank) the adapter of its slot `slot`."""
+    if not base.is_cuda:
+        delta = low_rank_sum(low_rank, slot, b.shape[1], r_block) @ b.float().T
+        return (base.float() + delta).to(base.dtype)
+    return launch_expand(base, low_rank, b, slot, r_block,
+                         pdl=pdl and _pdl_ok(base.device.index or 0))
+
+
+@lora_expand.register_fake
+def _(base, low_rank, b, slot, r_block, pdl=True):
+    return torch.empty_like(base)
+
+
+def launch_expand(base, low_rank, b, slot: int, r_block: int, pdl: bool = False) -> torch.Tensor:
+    """Run the expand kernel (CUDA, or Triton's interpreter on CPU tensors in tests)."""
+    import triton
+
+    m, n = base.shape
+    if base.stride(1) != 1 or not b.is_contiguous():
+        raise ValueError("lora_expand needs unit column stride in base and a contiguous B")
+    out = torch.empty(m, n, device=base.device, dtype=base.dtype)
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    extra = {"launch_pdl": True} if pdl else {}
+    _expand_kernel()[(triton.cdiv(n, 128), triton.cdiv(m, block_m))](
+        base, low_rank, b, out, m, n, b.shape[1], slot, base.stride(0), out.stride(0),
+        low_rank.stride(0), low_rank.stride(1), BLOCK_M=block_m, BLOCK_N=128, R=r_block,
+        LA_SPLIT=low_rank.shape[0], IEEE=base.dtype == torch.float32, PDL=pdl,
+        num_warps=4, num_stages=1, **extra)
     return out
 
 

@@ -81,6 +81,8 @@ def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Te
         out = gemv.small_linear(x, p.weight, pdl=kernels.pdl, low_rank=low_rank, b0=lora_b[0])
         out = out.sum(0).to(x.dtype)
         return out if p.bias is None else out + p.bias
+    if _expands(x, [p]):
+        return _project_expanded(x, [p], kernels)[0]
     if p.quant is not None:
         out = project_4bit(x, p.weight, p.quant, p.bias)
     else:
@@ -160,6 +162,27 @@ def _shrink(x: torch.Tensor, projections: list[Linear], kernels: Kernels):
     return lora_kernels.lora_shrink(x, *lora_a, *scales, pdl=kernels.pdl), lora_b
 
 
+def _expands(x: torch.Tensor, projections: list[Linear]) -> bool:
+    """Live adapters past the GEMV (CUDA): cuBLAS for W x, `lora_expand` adds the adapter."""
+    return (x.is_cuda and x.dim() == 2 and any(len(p.lora) > 0 for p in projections)
+            and all(_fusable(p) for p in projections))
+
+
+def _project_expanded(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:
+    """Full (T, out) results of projections of one input, past the GEMV's row limit: cuBLAS
+    for W x + b, one shrink for all their adapters, one expand per adapted projection that adds
+    B (s A x) and rounds once (PEFT's order). The adapters are read in place, never cast."""
+    low_rank, lora_b = _shrink(x, projections, kernels)
+    r_block = lora_kernels.rank_block([0 if b is None else b.shape[1] for b in lora_b])
+    outs = []
+    for slot, (p, b) in enumerate(zip(projections, lora_b)):
+        out = F.linear(x, p.weight, p.bias)
+        if b is not None:
+            out = lora_kernels.lora_expand(out, low_rank, b, slot, r_block, pdl=kernels.pdl)
+        outs.append(out)
+    return outs
+
+
 def project_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:
     """Several projections of one input (q/k/v). Small batches run as one GEMV launch (live
     adapters folded in: one more launch computes their s * A x) and come back as fp32 partial
@@ -172,6 +195,8 @@ def project_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) 
         partials = gemv.small_linear(x, *weights, pdl=kernels.pdl, low_rank=low_rank,
                                      b0=lora_b[0], b1=lora_b[1], b2=lora_b[2])
         return list(partials.split(widths, dim=-1))
+    if len(projections) <= 3 and _expands(x, projections):
+        return _project_expanded(x, projections, kernels)
     return [linear(x, p, kernels) for p in projections]
 
 
@@ -193,4 +218,7 @@ def gated_act(x: torch.Tensor, gate: Linear, up: Linear, act, kernels: Kernels) 
         low_rank, lora_b = _shrink(x, [gate, up], kernels)
         return gemv.small_linear(x, gate.weight, up.weight, silu_mul=True, pdl=kernels.pdl,
                                  low_rank=low_rank, b0=lora_b[0], b1=lora_b[1])[0]
+    if _expands(x, [gate, up]):
+        gate_out, up_out = _project_expanded(x, [gate, up], kernels)
+        return act(gate_out) * up_out
     return act(linear(x, gate, kernels)) * linear(x, up, kernels)
