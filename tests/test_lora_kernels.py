@@ -4,6 +4,7 @@ run by Triton's interpreter on CPU; and the layer functions that route live adap
 against the same reference, row masks (LoRARequest rows) included."""
 from __future__ import annotations
 
+import functools
 import textwrap
 
 import pytest
@@ -153,6 +154,10 @@ def test_gated_act_and_linear_with_live_adapters(kernels):
     want = F.silu(_reference(x, gate)) * _reference(x, up)
     torch.testing.assert_close(act.double(), want, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(linear(x, down, kernels).double(), _reference(x, down), rtol=1e-5, atol=1e-4)
+    # Gemma's tanh-GELU: one GEMV for gate and up too, the activation after it.
+    gelu = functools.partial(F.gelu, approximate="tanh")
+    act = gated_act(x, gate, up, gelu, kernels)
+    torch.testing.assert_close(act.double(), gelu(_reference(x, gate)) * _reference(x, up), rtol=1e-5, atol=1e-4)
 
 
 def test_lora_small_needs_an_adapter_and_the_row_limit():

@@ -218,7 +218,10 @@ def gated_act(x: torch.Tensor, gate: Linear, up: Linear, act, kernels: Kernels) 
         low_rank, lora_b = _shrink(x, [gate, up], kernels)
         return gemv.small_linear(x, gate.weight, up.weight, silu_mul=True, pdl=kernels.pdl,
                                  low_rank=low_rank, b0=lora_b[0], b1=lora_b[1])[0]
-    if _expands(x, [gate, up]):
-        gate_out, up_out = _project_expanded(x, [gate, up], kernels)
+    if len(gate.lora) > 0 or len(up.lora) > 0:
+        # Other activations (or biases) with live adapters: still one shrink for both, and one
+        # GEMV launch for both in small batches.
+        projections = [gate, up]
+        gate_out, up_out = finish_group(project_group(x, projections, kernels), projections, x.dtype)
         return act(gate_out) * up_out
     return act(linear(x, gate, kernels)) * linear(x, up, kernels)
