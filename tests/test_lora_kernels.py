@@ -109,6 +109,73 @@ def test_expand_past_the_gemv_matches_float64_in_triton_interpreter(dtype):
     run_fresh_python(_EXPAND_CHECK.format(dtype=dtype, cases=cases), triton_interpret=True)
 
 
+# Compiles (no GPU needed: Triton's own ptxas) the heaviest LoRA variants for Hopper (sm_90),
+# with the tilings the engine picks, and checks codegen and shared memory (an H100 / H200 block
+# has 227 KiB): what the interpreter cannot see.
+_HOPPER_CHECK = textwrap.dedent("""
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from flexrollout.kernels import small_linear as sl, lora as lk
+
+    TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+    def compiled_shared(fn, types, consts, warps, stages):
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+        src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": warps, "num_stages": stages})
+        return kernel.metadata.shared
+
+    def gemv(m, n, k, silu, dtype, r_block=64):
+        tile, t = sl.tiling(m, n, k, silu, dtype), TYPES[dtype]
+        types = {p: "*" + t for p in ("x_ptr", "w0_ptr", "w1_ptr", "w2_ptr")}
+        types.update(out_ptr="*" + (t if silu else "fp32"), la_ptr="*fp32", b0_ptr="*fp32",
+                     b1_ptr="*fp32", b2_ptr="*fp32")
+        consts = dict(BLOCK_M=sl._block_m(m), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                      SILU_MUL=silu, IEEE=dtype == torch.float32, PDL=True, LORA=True,
+                      R=r_block, LA_SPLIT=lk.split_of(k))
+        return compiled_shared(sl._kernel(), types, consts, tile.warps, tile.stages)
+
+    def shrink(m, dtype, r_block=64):
+        types = dict(x_ptr="*" + TYPES[dtype], a0_ptr="*fp32", a1_ptr="*fp32", a2_ptr="*fp32",
+                     out_ptr="*fp32", s0="fp32", s1="fp32", s2="fp32")
+        consts = dict(BLOCK_M=sl._block_m(m), BLOCK_K=lk.BLOCK_K, R=r_block,
+                      IEEE=dtype == torch.float32, PDL=True)
+        return compiled_shared(lk._kernel(), types, consts, 4, 2)
+
+    def expand(m, dtype, r_block=64):
+        t = "*" + TYPES[dtype]
+        types = dict(base_ptr=t, la_ptr="*fp32", b_ptr="*fp32", out_ptr=t)
+        consts = dict(BLOCK_M=sl._block_m(m), BLOCK_N=128, R=r_block, LA_SPLIT=8,
+                      IEEE=dtype == torch.float32, PDL=True)
+        return compiled_shared(lk._expand_kernel(), types, consts, 4, 1)
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    shared = {
+        "gate/up bf16 32 rows": gemv(32, 9728, 2560, True, bf16),
+        "down bf16 64 rows": gemv(64, 2560, 9728, False, bf16),
+        "qkv bf16 64 rows": gemv(64, 6144, 2560, False, bf16),
+        "gate/up fp32 32 rows": gemv(32, 3072, 1024, True, fp32),
+        "qkv fp32 1 row": gemv(1, 6144, 2560, False, fp32),
+        "shrink bf16 64 rows": shrink(64, bf16),
+        "shrink fp32 32 rows": shrink(32, fp32),
+        "expand bf16 64 rows": expand(64, bf16),
+        "expand fp32 64 rows": expand(64, fp32),
+    }
+    print(shared)
+    over = {name: b for name, b in shared.items() if b > 227 * 1024}
+    assert not over, over
+""")
+
+
+def test_lora_kernels_compile_for_hopper_within_shared_memory():
+    triton = pytest.importorskip("triton")
+    if not hasattr(triton, "compile"):
+        pytest.skip("this Triton cannot compile ahead of time")
+    run_fresh_python(_HOPPER_CHECK, triton_interpret=False)
+
+
 # -- the layer functions: live adapters routed to the GEMV, LoRARequest rows kept off it -------
 
 def _projection(n: int, k: int, rank: int, scale: float, dtype=torch.float32) -> Linear:

@@ -27,7 +27,7 @@ start while the kernel before it drains, and waits (griddepcontrol.wait) before 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -241,9 +241,6 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
     m, k = x.shape
     if k % (tile.split * tile.block_k):
         raise ValueError(f"tiling {tile} does not divide the input width {k}")
-    if lora is not None:
-        tile = _fit_lora(tile, m, silu_mul, x.element_size(), rank_block(
-            [0 if b is None else b.shape[1] for b in lora[1:]]))
     out = torch.empty(tile.split, m, _out_width(w0, w1, w2, silu_mul), device=x.device,
                       dtype=_out_dtype(x, silu_mul))
     n0 = w0.shape[0]
@@ -267,28 +264,8 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
     return out
 
 
-# Shared memory one program may use (an H100 / H200 block's 227 KiB; the fp32 SiLU-mul tiling
-# at 16 rows already takes 216 KiB of it).
-SHARED_MEMORY = 227 * 1024
-
-
 def _block_m(m: int) -> int:
     return 16 if m <= 16 else (32 if m <= 32 else 64)
-
-
-def _fit_lora(tile: Tiling, m: int, silu_mul: bool, itemsize: int, r_block: int) -> Tiling:
-    """`tile` with fewer pipeline stages where its weight and input tiles plus the LoRA
-    epilogue's fp32 operands (B's (block_n, R) and (s A x)'s (block_m, R) tiles; gate's and up's
-    one after the other) would overflow shared memory. Counted as if every stage held its own
-    buffers and the epilogue reused none of them; the split, hence the output's shape, is
-    unchanged."""
-    matrices = 2 if silu_mul else 1
-    per_stage = (_block_m(m) + matrices * tile.block_n) * tile.block_k * itemsize
-    epilogue = (tile.block_n + _block_m(m)) * r_block * 4
-    stages = tile.stages
-    while stages > 1 and stages * per_stage + epilogue > SHARED_MEMORY:
-        stages -= 1
-    return replace(tile, stages=stages)
 
 
 @small_linear.register_fake
