@@ -7,6 +7,17 @@ for a step with `LoRARequest` rows, the adapters those rows asked for with their
 and calls `linear`, so one function serves the plain, the live-LoRA and the LoRARequest paths;
 compiled regions take them as inputs too (dynamo reads their tensors without a recompile per
 instance; only which fields are present specialises).
+
+Live LoRA (one adapter per projection, no LoRARequest rows) runs at nearly the base model's
+launch count: the adapters of projections that share an input (q/k/v, gate/up) get one shrink
+launch (`kernels.lora`: s * A x over PEFT's fp32 A, in place), and
+- up to the GEMV's row limit (`Kernels.small`, and `Kernels.lora_small` up to 64 rows for
+  16-bit models) the GEMV adds B (s A x) to its fp32 sums, so q/k/v stay one launch feeding
+  the q/k/v epilogue and gate/up one launch with SiLU-mul;
+- past it (prefill, large batches, CUDA) cuBLAS computes W x and one `lora_expand` per adapted
+  projection adds B (s A x) and rounds once.
+Everything else (LoRARequest rows, several live adapters on one layer, 4-bit weights, ranks
+past `kernels.lora.MAX_RANK`, CPU) runs `_add_low_rank`.
 """
 from __future__ import annotations
 
@@ -101,7 +112,8 @@ def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Te
 
 def _add_low_rank(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                   scaling: float, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """out + scaling * B (A x), on the rows `mask` (T, 1) selects when given. PEFT keeps adapters
+    """out + scaling * B (A x), on the rows `mask` (T, 1) selects when given: the path of
+    LoRARequest rows, several live adapters, 4-bit weights and CPU. PEFT keeps adapters
     in fp32 over a bf16 base; casting the adapter (r x in, out x r) instead of the activations
     spares a prefill fp32 copies of (tokens, in) and (tokens, out). The GEMMs accumulate in fp32
     and round once, as PEFT does. The mask multiplies the (T, r) intermediate: zero rows of A x
