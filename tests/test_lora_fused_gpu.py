@@ -100,7 +100,7 @@ def _prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
 def test_fp32_live_lora_with_graphs_matches_peft_greedy():
     """fp32 (the GEMV path up to 32 rows), batches of 1 and 12 on one engine: tokens equal HF
     generate on the PEFT model."""
-    pm = _peft(torch.float32, 64, seed=1)
+    pm = _peft(torch.float32, 16, seed=1)
     llm = LLM(pm, max_model_len=512, max_num_seqs=16, num_kv_pages=64)
     for batch in (1, 12):
         prompts = _prompts(batch, pm.config.vocab_size, seed=batch)
@@ -121,7 +121,7 @@ def _teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor
     return logits.log_softmax(-1).gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("rank", [64])
 def test_bf16_live_lora_with_graphs_tracks_peft_forward(rank):
     """bf16 with fp32 adapters, decode from captured graphs at batch 1 / 8 (the small GEMV) and
     40 (a 33..64-row bucket: the GEMV taken for live LoRA only; its prefill runs cuBLAS plus
