@@ -8,6 +8,11 @@ matrices reading the same input) are one launch, and gate/up are one launch whos
 SiLU(gate) * up. Nothing is concatenated or copied: each matrix is read where the user's
 model keeps it.
 
+Live LoRA: given the low-rank intermediate s * A x of each matrix's adapter (`kernels.lora`'s
+shrink, fp32 partials) and the adapters' B matrices (PEFT's own, fp32 or any float dtype), the
+kernel adds B (s A x) to its fp32 sums before its epilogue: the adapted projections keep the
+one-launch q/k/v and SiLU-mul paths, with no separate expand or add kernel.
+
 `small_linear(x, w0, w1, w2, silu_mul)` returns fp32 partial sums of shape (split, M, N) with
 N = the output widths side by side; callers add them (`.sum(0)`), which torch.compile fuses
 into whatever consumes the result. With `silu_mul` there is one partial, already in x's dtype:
@@ -80,7 +85,8 @@ def tiling(m: int, n_total: int, k: int, silu_mul: bool, dtype: torch.dtype) -> 
     if silu_mul:
         # 17..32 rows of 16-bit weights: 128-row blocks and 8 warps (3.56 against 3.25 TB/s).
         # fp32 tiles of that size overflow shared memory.
-        wide = m > 16 and dtype != torch.float32
+        # (33..64 rows, live-LoRA only: 64-row blocks, whose three-stage tiles fit at 64 rows.)
+        wide = 16 < m <= 32 and dtype != torch.float32
         return Tiling(block_n=128 if wide else BLOCK_N, warps=8 if wide else 4, stages=3)
     long_k = _long_k_tiling(m, n_total, k, dtype)
     if long_k is not None:
@@ -119,17 +125,24 @@ def _kernel():
     @triton.jit
     def small_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, M, K, K_PER, N0, N1, N2,
                             BLOCKS0, BLOCKS1, stride_xm, stride_split, stride_om,
+                            la_ptr, b0_ptr, b1_ptr, b2_ptr, R0, R1, R2, stride_la_split,
+                            stride_la_m,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            SILU_MUL: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                            SILU_MUL: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                            LORA: tl.constexpr, R: tl.constexpr, LA_SPLIT: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        # Which matrix this program's output block belongs to, and where its columns start.
+        # Which matrix this program's output block belongs to, where its columns start, and its
+        # adapter (B, rank, slot of the low-rank intermediate).
         if pid_n < BLOCKS0:
             w_ptr, n_rows, row0, col0 = w0_ptr, N0, pid_n * BLOCK_N, pid_n * 0
+            b_ptr, rank, slot = b0_ptr, R0, 0
         elif pid_n < BLOCKS0 + BLOCKS1:
             w_ptr, n_rows, row0, col0 = w1_ptr, N1, (pid_n - BLOCKS0) * BLOCK_N, N0
+            b_ptr, rank, slot = b1_ptr, R1, 1
         else:
             w_ptr, n_rows, row0, col0 = w2_ptr, N2, (pid_n - BLOCKS0 - BLOCKS1) * BLOCK_N, N0 + N1
+            b_ptr, rank, slot = b2_ptr, R2, 2
         rows = row0 + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         precision: tl.constexpr = "ieee" if IEEE else "tf32"
@@ -151,6 +164,27 @@ def _kernel():
             if SILU_MUL:
                 up = tl.load(w1_ptr + w_offs, mask=w_mask, other=0.0)
                 acc_up += tl.dot(up, tl.trans(x), input_precision=precision)
+        if LORA:  # noqa: SIM102 (compile-time branch around a runtime one)
+            # The adapter's B (s A x) joins the fp32 sums once (in the first K slice), before
+            # the epilogue: the partials' consumers and SiLU-mul see base + delta. Columns past
+            # `rank` (and slots without an adapter, rank 0) are masked out of both operands.
+            if pid_k == 0:
+                offs_r = tl.arange(0, R)
+                for j in tl.static_range(2 if SILU_MUL else 1):   # SiLU-mul: gate, then up
+                    if j == 1:
+                        b_ptr, rank, slot = b1_ptr, R1, 1
+                    la_mask = (offs_m[:, None] < M) & (offs_r[None, :] < rank)
+                    la = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+                    for s in tl.static_range(LA_SPLIT):
+                        la += tl.load(la_ptr + s * stride_la_split + offs_m[:, None] * stride_la_m
+                                      + slot * R + offs_r[None, :], mask=la_mask, other=0.0)
+                    b = tl.load(b_ptr + rows[:, None] * rank + offs_r[None, :],
+                                mask=(rows[:, None] < n_rows) & (offs_r[None, :] < rank), other=0.0)
+                    delta = tl.dot(b.to(tl.float32), tl.trans(la), input_precision=precision)
+                    if j == 0:
+                        acc += delta
+                    else:
+                        acc_up += delta
         if SILU_MUL:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         out = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + (col0 + rows)[:, None]
@@ -174,23 +208,35 @@ def _out_dtype(x: torch.Tensor, silu_mul: bool) -> torch.dtype:
 @torch.library.custom_op("flexrollout::small_linear", mutates_args=())
 def small_linear(x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor | None = None,
                  w2: torch.Tensor | None = None, silu_mul: bool = False,
-                 pdl: bool = True) -> torch.Tensor:
+                 pdl: bool = True, low_rank: torch.Tensor | None = None,
+                 b0: torch.Tensor | None = None, b1: torch.Tensor | None = None,
+                 b2: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 partials (split, M, N) of x @ [w0; w1; w2]^T, or SiLU(x w0^T) * (x w1^T) as
-    (1, M, N) in x's dtype. `pdl`: allow programmatic dependent launch (where the GPU has it)."""
+    (1, M, N) in x's dtype. `pdl`: allow programmatic dependent launch (where the GPU has it).
+
+    Live LoRA: `low_rank` is `kernels.lora.lora_shrink`'s s * A x partials for the same
+    matrices, `b0`..`b2` the adapters' B (out, rank) (None: no adapter on that matrix); each
+    matrix's B (s A x) is added to its sums (to gate and up before SiLU-mul)."""
     tile = _tiling_of(x, w0, w1, w2, silu_mul)
+    lora = None if low_rank is None else (low_rank, b0, b1, b2)
     if not x.is_cuda:
-        return _reference(x, w0, w1, w2, silu_mul, tile.split)
-    return launch(x, w0, w1, w2, silu_mul, tile, pdl=pdl and _pdl_ok(x.device.index or 0))
+        return _reference(x, w0, w1, w2, silu_mul, tile.split, lora)
+    return launch(x, w0, w1, w2, silu_mul, tile, pdl=pdl and _pdl_ok(x.device.index or 0),
+                  lora=lora)
 
 
 def _tiling_of(x, w0, w1, w2, silu_mul: bool) -> Tiling:
     return tiling(x.shape[0], _out_width(w0, w1, w2, silu_mul), x.shape[1], silu_mul, x.dtype)
 
 
-def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False) -> torch.Tensor:
+def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
+           lora: tuple | None = None) -> torch.Tensor:
     """Run the Triton kernel (CUDA, or Triton's interpreter on CPU tensors in tests).
-    `pdl`: launch with programmatic dependent launch (Hopper on)."""
+    `pdl`: launch with programmatic dependent launch (Hopper on). `lora`: (low_rank, b0, b1,
+    b2) as `small_linear` takes them."""
     import triton
+
+    from .lora import rank_block
 
     m, k = x.shape
     if k % (tile.split * tile.block_k):
@@ -202,31 +248,66 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False) -> to
     n2 = 0 if w2 is None else w2.shape[0]
     blocks = [triton.cdiv(n, tile.block_n) for n in (n0, n1, n2)]
     extra = {"launch_pdl": True} if pdl else {}
+    low_rank, bs = (None, (None,) * 3) if lora is None else (lora[0], lora[1:])
+    ranks = [0 if b is None else b.shape[1] for b in bs]
+    # Without LoRA the pointers are never read (LORA=False): any tensor stands in.
+    la = out if low_rank is None else low_rank
+    b_ptrs = [next((b for b in bs if b is not None), out) if b is None else b for b in bs]
     _kernel()[(sum(blocks), tile.split)](
         x, w0, w0 if w1 is None else w1, w0 if w2 is None else w2, out, m, k, k // tile.split,
         n0, n1, n2, blocks[0], blocks[1], x.stride(0), out.stride(0), out.stride(1),
-        BLOCK_M=16 if m <= 16 else (32 if m <= 32 else 64), BLOCK_N=tile.block_n,
+        la, *b_ptrs, *ranks, la.stride(0), la.stride(1),
+        BLOCK_M=_block_m(m), BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, SILU_MUL=silu_mul, IEEE=x.dtype == torch.float32, PDL=pdl,
+        LORA=low_rank is not None, R=rank_block(ranks), LA_SPLIT=la.shape[0] if low_rank is not None else 1,
         num_warps=tile.warps, num_stages=tile.stages, **extra)
     return out
 
 
+def _block_m(m: int) -> int:
+    return 16 if m <= 16 else (32 if m <= 32 else 64)
+
+
 @small_linear.register_fake
-def _(x, w0, w1=None, w2=None, silu_mul=False, pdl=True):
+def _(x, w0, w1=None, w2=None, silu_mul=False, pdl=True, low_rank=None, b0=None, b1=None, b2=None):
     split = _tiling_of(x, w0, w1, w2, silu_mul).split
     return x.new_empty(split, x.shape[0], _out_width(w0, w1, w2, silu_mul),
                        dtype=_out_dtype(x, silu_mul))
 
 
-def _reference(x, w0, w1, w2, silu_mul: bool, split: int) -> torch.Tensor:
-    """The kernel's contract in plain torch (fp32 sums): the K axis cut into `split` partials."""
+def _reference(x, w0, w1, w2, silu_mul: bool, split: int, lora: tuple | None = None) -> torch.Tensor:
+    """The kernel's contract in plain torch (fp32 sums): the K axis cut into `split` partials,
+    the adapters' B (s A x) added to the first."""
     x32 = x.float()
+    deltas = _low_rank_reference(lora, x.shape[0])
     if silu_mul:
-        return (F.silu(x32 @ w0.float().T) * (x32 @ w1.float().T))[None].to(x.dtype)
-    weight = torch.cat([w.float() for w in (w0, w1, w2) if w is not None])
+        gate, up = x32 @ w0.float().T + deltas[0], x32 @ w1.float().T + deltas[1]
+        return (F.silu(gate) * up)[None].to(x.dtype)
+    weights = [w for w in (w0, w1, w2) if w is not None]
+    weight = torch.cat([w.float() for w in weights])
     k_per = x.shape[1] // split
-    return torch.stack([x32[:, i * k_per:(i + 1) * k_per] @ weight[:, i * k_per:(i + 1) * k_per].T
-                        for i in range(split)])
+    parts = torch.stack([x32[:, i * k_per:(i + 1) * k_per] @ weight[:, i * k_per:(i + 1) * k_per].T
+                         for i in range(split)])
+    parts[0] += torch.cat([d.expand(x.shape[0], w.shape[0]) for d, w in zip(deltas, weights)], dim=1)
+    return parts
+
+
+def _low_rank_reference(lora: tuple | None, rows: int) -> list:
+    """Each matrix's B (s A x) (rows, out) in fp32, or 0.0 where it has no adapter."""
+    from .lora import rank_block
+
+    if lora is None:
+        return [torch.zeros(())] * 3
+    low_rank, bs = lora[0].sum(0), lora[1:]
+    r_block = rank_block([0 if b is None else b.shape[1] for b in bs])
+    deltas = []
+    for slot, b in enumerate(bs):
+        if b is None:
+            deltas.append(torch.zeros(()))
+            continue
+        rank = b.shape[1]
+        deltas.append(low_rank[:, slot * r_block:slot * r_block + rank] @ b.float().T)
+    return deltas
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

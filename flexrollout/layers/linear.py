@@ -7,6 +7,17 @@ for a step with `LoRARequest` rows, the adapters those rows asked for with their
 and calls `linear`, so one function serves the plain, the live-LoRA and the LoRARequest paths;
 compiled regions take them as inputs too (dynamo reads their tensors without a recompile per
 instance; only which fields are present specialises).
+
+Live LoRA (one adapter per projection, no LoRARequest rows) runs at nearly the base model's
+launch count: the adapters of projections that share an input (q/k/v, gate/up) get one shrink
+launch (`kernels.lora`: s * A x over PEFT's fp32 A, in place), and
+- up to the GEMV's row limit (`Kernels.small`, and `Kernels.lora_small` up to 64 rows for
+  16-bit models) the GEMV adds B (s A x) to its fp32 sums, so q/k/v stay one launch feeding
+  the q/k/v epilogue and gate/up one launch with SiLU-mul;
+- past it (prefill, large batches, CUDA) cuBLAS computes W x and one `lora_expand` per adapted
+  projection adds B (s A x) and rounds once.
+Everything else (LoRARequest rows, several live adapters on one layer, 4-bit weights, ranks
+past `kernels.lora.MAX_RANK`, CPU) runs `_add_low_rank`.
 """
 from __future__ import annotations
 
@@ -15,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from ..kernels import lora as lora_kernels
 from ..kernels import small_linear as gemv
 from ..lora.live import active_adapters
 from .quant import project_4bit, quant_state_of
@@ -24,12 +36,16 @@ from .quant import project_4bit, quant_state_of
 class Kernels:
     """How this step's projections run: the small-batch GEMV kernel (`small`: the batch has at
     most its row limit; `pdl`: launched with programmatic dependent launch), and the q/k/v
-    epilogue kernel after the projections in decode, and the grouped GEMV of small MoE steps."""
+    epilogue kernel after the projections in decode, and the grouped GEMV of small MoE steps.
+    `lora_small`: projections with a live adapter run the GEMV with the adapter folded in, at
+    up to `lora_kernels.max_rows` rows (64 for 16-bit models: past `small`'s limit, where the
+    fused adapter beats cuBLAS plus separate low-rank kernels)."""
 
     small: bool = False
     pdl: bool = True
     epilogue: bool = True
     expert_rows: int = 0      # MoE steps of at most this many (token, expert) rows: grouped GEMV
+    lora_small: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,13 @@ def read_linear(module: torch.nn.Module, merged=None) -> Linear:
 
 def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Tensor:
     """x @ W^T + b + sum(scaling * B (A x)) for (T, in) rows."""
+    if len(p.lora) > 0 and _on_gemv(x, [p], kernels):
+        low_rank, lora_b = _shrink(x, [p], kernels)
+        out = gemv.small_linear(x, p.weight, pdl=kernels.pdl, low_rank=low_rank, b0=lora_b[0])
+        out = out.sum(0).to(x.dtype)
+        return out if p.bias is None else out + p.bias
+    if _expands(x, [p]):
+        return _project_expanded(x, [p], kernels)[0]
     if p.quant is not None:
         out = project_4bit(x, p.weight, p.quant, p.bias)
     else:
@@ -89,7 +112,8 @@ def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Te
 
 def _add_low_rank(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                   scaling: float, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """out + scaling * B (A x), on the rows `mask` (T, 1) selects when given. PEFT keeps adapters
+    """out + scaling * B (A x), on the rows `mask` (T, 1) selects when given: the path of
+    LoRARequest rows, several live adapters, 4-bit weights and CPU. PEFT keeps adapters
     in fp32 over a bf16 base; casting the adapter (r x in, out x r) instead of the activations
     spares a prefill fp32 copies of (tokens, in) and (tokens, out). The GEMMs accumulate in fp32
     and round once, as PEFT does. The mask multiplies the (T, r) intermediate: zero rows of A x
@@ -111,15 +135,80 @@ def gemv_ready(p: Linear) -> bool:
     return p.quant is not None or gemv.weight_supported(p.weight)
 
 
+def _fusable(p: Linear) -> bool:
+    """The GEMV kernel can compute this projection: plain, or with one live adapter of a rank
+    it takes (LoRARequest rows, several live adapters and 4-bit weights run `linear`)."""
+    if p.plain:
+        return True
+    if len(p.lora) != 1 or len(p.row_lora) != 0 or p.live_mask is not None or p.quant is not None:
+        return False
+    lora_a, lora_b, _ = p.lora[0]
+    return (lora_a.shape[0] <= lora_kernels.MAX_RANK and lora_a.is_contiguous()
+            and lora_b.is_contiguous())
+
+
+def _on_gemv(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bool:
+    """These projections of `x` run the GEMV kernel: a small batch of projections it can
+    compute, or a live-LoRA batch within its LoRA row limit."""
+    if not all(_fusable(p) for p in projections):
+        return False
+    adapted = any(len(p.lora) > 0 for p in projections)
+    if not adapted:
+        return kernels.small            # (the engine turns it on only where every weight fits)
+    rows_fit = kernels.small or (kernels.lora_small and x.shape[0] <= lora_kernels.max_rows(x.dtype))
+    # An adapted LM head is not covered by the engine's check of the layers' weights.
+    return rows_fit and (not x.is_cuda or all(gemv.weight_supported(p.weight) for p in projections))
+
+
+def _shrink(x: torch.Tensor, projections: list[Linear], kernels: Kernels):
+    """s * A x of the projections' live adapters in one launch (fp32 partials, slot i for
+    projection i), and each projection's B (None without an adapter); (None, Nones) when none
+    has one."""
+    adapters = [p.lora[0] if len(p.lora) > 0 else None for p in projections]
+    adapters += [None] * (3 - len(adapters))
+    lora_b = [None if a is None else a[1] for a in adapters]
+    if all(a is None for a in adapters):
+        return None, lora_b
+    lora_a = [None if a is None else a[0] for a in adapters]
+    scales = [0.0 if a is None else float(a[2]) for a in adapters]
+    return lora_kernels.lora_shrink(x, *lora_a, *scales, pdl=kernels.pdl), lora_b
+
+
+def _expands(x: torch.Tensor, projections: list[Linear]) -> bool:
+    """Live adapters past the GEMV (CUDA): cuBLAS for W x, `lora_expand` adds the adapter."""
+    return (x.is_cuda and x.dim() == 2 and any(len(p.lora) > 0 for p in projections)
+            and all(_fusable(p) for p in projections))
+
+
+def _project_expanded(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:
+    """Full (T, out) results of projections of one input, past the GEMV's row limit: cuBLAS
+    for W x + b, one shrink for all their adapters, one expand per adapted projection that adds
+    B (s A x) and rounds once (PEFT's order). The adapters are read in place, never cast."""
+    low_rank, lora_b = _shrink(x, projections, kernels)
+    r_block = lora_kernels.rank_block([0 if b is None else b.shape[1] for b in lora_b])
+    outs = []
+    for slot, (p, b) in enumerate(zip(projections, lora_b)):
+        out = F.linear(x, p.weight, p.bias)
+        if b is not None:
+            out = lora_kernels.lora_expand(out, low_rank, b, slot, r_block, pdl=kernels.pdl)
+        outs.append(out)
+    return outs
+
+
 def project_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:
-    """Several projections of one input (q/k/v). Small batches of plain projections run as one
-    GEMV launch and come back as fp32 partial sums (split, T, width) each, for a consumer that
-    sums them (the q/k/v epilogue, or `finish_group`); otherwise each is a full (T, out) result
-    with its bias."""
-    if kernels.small and len(projections) <= 3 and all(p.plain for p in projections):
+    """Several projections of one input (q/k/v). Small batches run as one GEMV launch (live
+    adapters folded in: one more launch computes their s * A x) and come back as fp32 partial
+    sums (split, T, width) each, for a consumer that sums them (the q/k/v epilogue, or
+    `finish_group`); otherwise each is a full (T, out) result with its bias."""
+    if len(projections) <= 3 and _on_gemv(x, projections, kernels):
         widths = [p.weight.shape[0] for p in projections]
-        partials = gemv.small_linear(x, *[p.weight for p in projections], pdl=kernels.pdl)
+        weights = [p.weight for p in projections] + [None] * (3 - len(projections))
+        low_rank, lora_b = _shrink(x, projections, kernels)
+        partials = gemv.small_linear(x, *weights, pdl=kernels.pdl, low_rank=low_rank,
+                                     b0=lora_b[0], b1=lora_b[1], b2=lora_b[2])
         return list(partials.split(widths, dim=-1))
+    if len(projections) <= 3 and _expands(x, projections):
+        return _project_expanded(x, projections, kernels)
     return [linear(x, p, kernels) for p in projections]
 
 
@@ -135,9 +224,16 @@ def finish_group(outputs: list[torch.Tensor], projections: list[Linear], dtype: 
 
 
 def gated_act(x: torch.Tensor, gate: Linear, up: Linear, act, kernels: Kernels) -> torch.Tensor:
-    """act(gate(x)) * up(x). Small batches with plain SiLU projections run as one GEMV launch
-    whose epilogue applies SiLU(gate) * up."""
-    if kernels.small and act is F.silu and gate.plain and up.plain and gate.bias is None \
-            and up.bias is None:
-        return gemv.small_linear(x, gate.weight, up.weight, silu_mul=True, pdl=kernels.pdl)[0]
+    """act(gate(x)) * up(x). Small batches of SiLU projections run as one GEMV launch whose
+    epilogue applies SiLU(gate) * up (live adapters folded in before it)."""
+    if act is F.silu and gate.bias is None and up.bias is None and _on_gemv(x, [gate, up], kernels):
+        low_rank, lora_b = _shrink(x, [gate, up], kernels)
+        return gemv.small_linear(x, gate.weight, up.weight, silu_mul=True, pdl=kernels.pdl,
+                                 low_rank=low_rank, b0=lora_b[0], b1=lora_b[1])[0]
+    if len(gate.lora) > 0 or len(up.lora) > 0:
+        # Other activations (or biases) with live adapters: still one shrink for both, and one
+        # GEMV launch for both in small batches.
+        projections = [gate, up]
+        gate_out, up_out = finish_group(project_group(x, projections, kernels), projections, x.dtype)
+        return act(gate_out) * up_out
     return act(linear(x, gate, kernels)) * linear(x, up, kernels)

@@ -1,0 +1,247 @@
+"""The live-LoRA shrink: s * (A x) for the adapters of projections that read one input, in one
+launch, over PEFT's own A tensors (fp32 as PEFT keeps them, or any float dtype: converted in
+registers, never copied or cast per step).
+
+A LoRA'd projection computes W x + s B (A x). The base part streams W through the GEMV kernel
+(`small_linear`), which also takes the low-rank intermediate computed here and adds B (s A x)
+to its fp32 sums before its epilogue (q/k/v partials, SiLU-mul): so a live adapter costs one
+extra launch per group of projections (q/k/v, gate/up, o, down) and reads each adapter's bytes
+once, and the fused epilogues still apply.
+
+Batches past the GEMV's row limit (prefill, large decode batches) keep cuBLAS for W x and add the
+adapter with `lora_expand`: base + B (s A x), read in place (B in its own dtype), rounded once to
+the base's dtype (PEFT's order: the bf16 base output plus the fp32 delta). So no batch size casts
+the adapters per step, and a projection group runs one shrink plus one expand per projection
+instead of two casts, two GEMMs and an add per projection.
+
+The shrink's result is fp32 partial sums (split, M, slots * R): K is cut into `split` slices so that
+enough programs stream the A matrices (each is only r x K), and the consumer sums the slices
+(a few (M, R) tiles). Slot i (columns [i R, (i + 1) R)) holds matrix i's adapter, R being the
+largest rank rounded up to a power of two (>= 16, the smallest dot tile); columns past a
+matrix's rank, and slots without an adapter, are zeros.
+
+Numerics follow PEFT (x cast to the adapter's fp32, fp32 products): the dots run in IEEE fp32
+for fp32 models and in TF32 on the tensor cores for 16-bit ones, where TF32's 2^-11 relative
+error on the (small) delta is far below the output's own rounding.
+
+Hand-written because nothing maintained fits without a new dependency: vLLM's punica Triton
+kernels (lora_shrink / lora_expand) are the known alternative, but vLLM is not a dependency.
+Off CUDA (tests, CPU) the op computes the same partials with torch; Triton's interpreter runs
+the kernel on CPU tensors in tests.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK_K = 128
+# K slices per shrink: enough programs to stream the A matrices, few enough partial tiles for
+# the consumer to sum.
+MAX_SPLIT = 8
+# Largest adapter rank the fused kernels take (the GEMV's (rows, R) and (BLOCK_N, R) fp32 tiles
+# sit beside its pipelined weight tiles); larger ranks run the unfused path.
+MAX_RANK = 64
+
+
+def max_rows(dtype: torch.dtype) -> int:
+    """Largest batch whose live-LoRA projections run the GEMV with the adapter folded in: 64 rows
+    for 16-bit models; fp32 tiles of 64 rows overflow the GEMV's shared memory, so 32 there."""
+    return 32 if dtype == torch.float32 else 64
+
+
+def rank_block(ranks) -> int:
+    """R: the largest rank rounded up to a power of two, at least 16 (the smallest dot tile)."""
+    r = max(16, *ranks)
+    return 1 << (r - 1).bit_length()
+
+
+def k_slice(k: int) -> int:
+    """Input columns per shrink program: a multiple of BLOCK_K, at most MAX_SPLIT slices."""
+    chunks = -(-k // BLOCK_K)
+    return BLOCK_K * -(-chunks // MAX_SPLIT)
+
+
+def split_of(k: int) -> int:
+    return -(-k // k_slice(k))
+
+
+def _ranks(a0, a1, a2) -> list[int]:
+    return [0 if a is None else a.shape[0] for a in (a0, a1, a2)]
+
+
+def slot_count(a0, a1, a2) -> int:
+    """Slots in the result: up to the last matrix given (a group's matrices keep their index)."""
+    return max(i + 1 for i, a in enumerate((a0, a1, a2)) if a is not None)
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def lora_shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, M, K, K_PER, R0, R1, R2,
+                           s0, s1, s2, stride_xm, stride_split, stride_om,
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr,
+                           IEEE: tl.constexpr, PDL: tl.constexpr):
+        slot = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        if slot == 0:
+            a_ptr, rank, scale = a0_ptr, R0, s0
+        elif slot == 1:
+            a_ptr, rank, scale = a1_ptr, R1, s1
+        else:
+            a_ptr, rank, scale = a2_ptr, R2, s2
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, R)
+        precision: tl.constexpr = "ieee" if IEEE else "tf32"
+        if PDL:
+            # Launched early (PDL): x is the previous kernel's output; wait until it is written.
+            tl.extra.cuda.gdc_wait()
+        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for k in range(0, K_PER, BLOCK_K):
+            offs_k = pid_k * K_PER + k + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+            # A (rank, K) in its own dtype (PEFT's fp32): converted here, not copied per step.
+            a = tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :],
+                        mask=(offs_r[:, None] < rank) & (offs_k[None, :] < K), other=0.0)
+            acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision=precision)
+        out = out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + slot * R + offs_r[None, :]
+        tl.store(out, acc * scale, mask=offs_m[:, None] < M)
+
+    return lora_shrink_kernel
+
+
+@functools.cache
+def _expand_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def lora_expand_kernel(base_ptr, la_ptr, b_ptr, out_ptr, M, N, rank, slot, stride_bm,
+                           stride_om, stride_la_split, stride_la_m,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
+                           LA_SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_r = tl.arange(0, R)
+        precision: tl.constexpr = "ieee" if IEEE else "tf32"
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        la_mask = (offs_m[:, None] < M) & (offs_r[None, :] < rank)
+        la = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for s in tl.static_range(LA_SPLIT):
+            la += tl.load(la_ptr + s * stride_la_split + offs_m[:, None] * stride_la_m
+                          + slot * R + offs_r[None, :], mask=la_mask, other=0.0)
+        b = tl.load(b_ptr + offs_n[:, None] * rank + offs_r[None, :],
+                    mask=(offs_n[:, None] < N) & (offs_r[None, :] < rank), other=0.0)
+        delta = tl.dot(la, tl.trans(b.to(tl.float32)), input_precision=precision)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        base = tl.load(base_ptr + offs_m[:, None] * stride_bm + offs_n[None, :], mask=mask, other=0.0)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                 (base.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=mask)
+
+    return lora_expand_kernel
+
+
+@functools.cache
+def _pdl_ok(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+@torch.library.custom_op("flexrollout::lora_shrink", mutates_args=())
+def lora_shrink(x: torch.Tensor, a0: torch.Tensor | None, a1: torch.Tensor | None,
+                a2: torch.Tensor | None, s0: float, s1: float, s2: float,
+                pdl: bool = True) -> torch.Tensor:
+    """fp32 partials (split, M, slots * R) of s_i * x A_i^T, slot i for adapter A_i (rank, K)
+    (None: no adapter on matrix i; its slot is zeros)."""
+    if not x.is_cuda:
+        return _reference(x, a0, a1, a2, (s0, s1, s2))
+    return launch(x, a0, a1, a2, (s0, s1, s2), pdl=pdl and _pdl_ok(x.device.index or 0))
+
+
+@lora_shrink.register_fake
+def _(x, a0, a1, a2, s0, s1, s2, pdl=True):
+    return x.new_empty(split_of(x.shape[1]), x.shape[0],
+                       slot_count(a0, a1, a2) * rank_block(_ranks(a0, a1, a2)), dtype=torch.float32)
+
+
+def launch(x, a0, a1, a2, scales, pdl: bool = False) -> torch.Tensor:
+    """Run the Triton kernel (CUDA, or Triton's interpreter on CPU tensors in tests)."""
+    import triton
+
+    m, k = x.shape
+    ranks, slots = _ranks(a0, a1, a2), slot_count(a0, a1, a2)
+    r_block, k_per = rank_block(ranks), k_slice(k)
+    split = -(-k // k_per)
+    out = torch.empty(split, m, slots * r_block, device=x.device, dtype=torch.float32)
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    dummy = next(a for a in (a0, a1, a2) if a is not None)
+    adapters = [dummy if a is None else a for a in (a0, a1, a2)]
+    extra = {"launch_pdl": True} if pdl else {}
+    _kernel()[(slots, split, triton.cdiv(m, block_m))](
+        x, *adapters, out, m, k, k_per, *ranks, *(float(s) for s in scales), x.stride(0),
+        out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_K=BLOCK_K, R=r_block,
+        IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=4, num_stages=2, **extra)
+    return out
+
+
+@torch.library.custom_op("flexrollout::lora_expand", mutates_args=())
+def lora_expand(base: torch.Tensor, low_rank: torch.Tensor, b: torch.Tensor, slot: int,
+                r_block: int, pdl: bool = True) -> torch.Tensor:
+    """base + B (s A x) rounded once to base's dtype: `base` (M, N) a projection's output,
+    `low_rank` the shrink's partials, `b` (N, rank) the adapter of its slot `slot`."""
+    if not base.is_cuda:
+        delta = low_rank_sum(low_rank, slot, b.shape[1], r_block) @ b.float().T
+        return (base.float() + delta).to(base.dtype)
+    return launch_expand(base, low_rank, b, slot, r_block,
+                         pdl=pdl and _pdl_ok(base.device.index or 0))
+
+
+@lora_expand.register_fake
+def _(base, low_rank, b, slot, r_block, pdl=True):
+    return torch.empty_like(base)
+
+
+def launch_expand(base, low_rank, b, slot: int, r_block: int, pdl: bool = False) -> torch.Tensor:
+    """Run the expand kernel (CUDA, or Triton's interpreter on CPU tensors in tests)."""
+    import triton
+
+    m, n = base.shape
+    if base.stride(1) != 1 or not b.is_contiguous():
+        raise ValueError("lora_expand needs unit column stride in base and a contiguous B")
+    out = torch.empty(m, n, device=base.device, dtype=base.dtype)
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    extra = {"launch_pdl": True} if pdl else {}
+    _expand_kernel()[(triton.cdiv(n, 128), triton.cdiv(m, block_m))](
+        base, low_rank, b, out, m, n, b.shape[1], slot, base.stride(0), out.stride(0),
+        low_rank.stride(0), low_rank.stride(1), BLOCK_M=block_m, BLOCK_N=128, R=r_block,
+        LA_SPLIT=low_rank.shape[0], IEEE=base.dtype == torch.float32, PDL=pdl,
+        num_warps=4, num_stages=1, **extra)
+    return out
+
+
+def _reference(x, a0, a1, a2, scales) -> torch.Tensor:
+    """The kernel's contract in plain torch (fp32): the K axis cut into the kernel's slices."""
+    ranks, slots = _ranks(a0, a1, a2), slot_count(a0, a1, a2)
+    r_block, k_per = rank_block(ranks), k_slice(x.shape[1])
+    split = split_of(x.shape[1])
+    out = x.new_zeros(split, x.shape[0], slots * r_block, dtype=torch.float32)
+    x32 = x.float()
+    for i, (a, scale) in enumerate(zip((a0, a1, a2), scales)):
+        if a is None:
+            continue
+        for s in range(split):
+            cols = slice(s * k_per, (s + 1) * k_per)
+            out[s, :, i * r_block:i * r_block + a.shape[0]] = x32[:, cols] @ a.float()[:, cols].T * scale
+    return out
+
+
+def low_rank_sum(partials: torch.Tensor, slot: int, rank: int, r_block: int) -> torch.Tensor:
+    """Slot `slot`'s s * A x (M, rank) in fp32, the shrink's slices summed (torch references)."""
+    return partials.sum(0)[:, slot * r_block:slot * r_block + rank]

@@ -1,0 +1,280 @@
+"""Live LoRA on the GEMV path: the shrink kernel (s * A x over the adapter's own fp32 A) and the
+GEMV with B (s A x) folded into its sums, against float64 torch (W x + s B (A x), PEFT's math),
+run by Triton's interpreter on CPU; and the layer functions that route live adapters there,
+against the same reference, row masks (LoRARequest rows) included."""
+from __future__ import annotations
+
+import functools
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import run_fresh_python
+
+from flexrollout.kernels import lora as lk
+from flexrollout.layers.linear import Kernels, Linear, gated_act, linear, project_group
+
+# Runs in a fresh interpreter: TRITON_INTERPRET must be set before the kernels are built.
+# Each case: (rows, K, output widths, adapter ranks (0: none on that matrix), silu_mul, split).
+_CHECK = textwrap.dedent("""
+    import torch, torch.nn.functional as F
+    from flexrollout.kernels import small_linear as sl, lora as lk
+    dtype = getattr(torch, "{dtype}")
+    for case_index, (m, k, widths, ranks, silu, split) in enumerate({cases}):
+        torch.manual_seed(case_index)
+        ws = [torch.randn(n, k).to(dtype) for n in widths]
+        # PEFT's adapters: fp32 whatever the model dtype.
+        a_s = [torch.randn(r, k) / k ** 0.5 if r else None for r in ranks]
+        b_s = [torch.randn(n, r) if r else None for n, r in zip(widths, ranks)]
+        scales = [0.5, 2.0, 1.25][:len(widths)]
+        pad = [None] * (3 - len(widths))
+        x = torch.randn(m, k).to(dtype)
+        low_rank = lk.launch(x, *(a_s + pad), scales + [1.0] * len(pad))
+        assert low_rank.shape[:2] == (lk.split_of(k), m), low_rank.shape
+        tile = sl.tiling(m, sum(widths), k, silu, dtype) if split == "auto" else sl.Tiling(split=split)
+        out = sl.launch(x, *(ws + pad), silu, tile, lora=(low_rank, *(b_s + pad)))
+        # float64 reference: W x + s B (A x) per matrix.
+        x64 = x.double()
+        full = [x64 @ w.double().T + (0 if a is None else s * (x64 @ a.double().T) @ b.double().T)
+                for w, a, b, s in zip(ws, a_s, b_s, scales)]
+        ref = F.silu(full[0]) * full[1] if silu else torch.cat(full, dim=1)
+        got = out.double().sum(0)
+        assert got.shape == ref.shape, (got.shape, ref.shape)
+        err = ((got - ref).norm() / ref.norm()).item()
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        assert err < tol, (case_index, err)
+        # The op's torch path (what runs off CUDA) has the same contract.
+        cpu = sl._reference(x, *(ws + pad), silu, tile.split, (low_rank, *(b_s + pad)))
+        err = ((cpu.double().sum(0) - ref).norm() / ref.norm()).item()
+        assert err < tol, ("reference", case_index, err)
+""")
+
+CASES = {
+    # fp32: ranks 8 / 16 / 64, 1..32 rows, q/k/v with one matrix unadapted, split partials.
+    "float32-qkv": [(1, 256, [96, 32, 32], [8, 0, 8], False, 1),
+                    (5, 384, [64, 48, 40], [16, 16, 16], False, 3),
+                    (17, 256, [130], [64], False, 2),
+                    (32, 256, [64, 64], [0, 64], False, 1)],
+    "float32-silu": [(3, 256, [72, 72], [8, 16], True, 1),
+                     (32, 256, [64, 64], [64, 64], True, 1)],
+    # 16-bit (fp16: Triton 3.6's interpreter mis-reads bf16; bf16 runs in the GPU tests),
+    # up to the 64 rows 16-bit live-LoRA batches take; the engine's own tilings.
+    "float16": [(1, 512, [136], [16], False, "auto"),
+                (8, 1024, [136], [64], False, "auto"),
+                (24, 256, [80, 48, 48], [16, 16, 0], False, 2),
+                (64, 256, [96, 32, 32], [8, 8, 8], False, "auto"),
+                (16, 256, [64, 64], [16, 16], True, "auto"),
+                (64, 256, [72, 72], [64, 64], True, "auto")],
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_shrink_and_folded_gemv_match_float64_in_triton_interpreter(name):
+    pytest.importorskip("triton")
+    dtype = name.split("-")[0]
+    run_fresh_python(_CHECK.format(dtype=dtype, cases=CASES[name]), triton_interpret=True)
+
+
+_EXPAND_CHECK = textwrap.dedent("""
+    import torch
+    from flexrollout.kernels import lora as lk
+    dtype = getattr(torch, "{dtype}")
+    for case_index, (m, k, n, rank, slot) in enumerate({cases}):
+        torch.manual_seed(case_index)
+        x = torch.randn(m, k).to(dtype)
+        a = torch.randn(rank, k) / k ** 0.5             # PEFT's fp32 adapter
+        b = torch.randn(n, rank)
+        adapters = [None, None, None]
+        adapters[slot] = a
+        low_rank = lk.launch(x, *adapters, (1.5, 1.5, 1.5))
+        base = (x.double() @ torch.randn(n, k).double().T).to(dtype)     # a cuBLAS output
+        r_block = lk.rank_block([rank])
+        out = lk.launch_expand(base, low_rank, b, slot, r_block)
+        # PEFT's order: the base output plus the fp32 delta, rounded once.
+        ref = base.double() + 1.5 * (x.double() @ a.double().T) @ b.double().T
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        tol = 1e-6 if dtype == torch.float32 else 1e-3
+        assert out.dtype == dtype and err < tol, (case_index, err)
+        cpu = lk.lora_expand(base, low_rank, b, slot, r_block)
+        assert ((cpu.double() - ref).norm() / ref.norm()).item() < tol
+""")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_expand_past_the_gemv_matches_float64_in_triton_interpreter(dtype):
+    """Batches past the GEMV (prefill, large decode batches): cuBLAS output + B (s A x)."""
+    pytest.importorskip("triton")
+    cases = [(1, 256, 200, 8, 0), (70, 256, 130, 64, 1), (130, 384, 64, 16, 2)]
+    run_fresh_python(_EXPAND_CHECK.format(dtype=dtype, cases=cases), triton_interpret=True)
+
+
+# Compiles (no GPU needed: Triton's own ptxas) the heaviest LoRA variants for Hopper (sm_90),
+# with the tilings the engine picks, and checks codegen and shared memory (an H100 / H200 block
+# has 227 KiB): what the interpreter cannot see.
+_HOPPER_CHECK = textwrap.dedent("""
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from flexrollout.kernels import small_linear as sl, lora as lk
+
+    TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+    def compiled_shared(fn, types, consts, warps, stages):
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+        src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": warps, "num_stages": stages})
+        return kernel.metadata.shared
+
+    def gemv(m, n, k, silu, dtype, r_block=64):
+        tile, t = sl.tiling(m, n, k, silu, dtype), TYPES[dtype]
+        types = {p: "*" + t for p in ("x_ptr", "w0_ptr", "w1_ptr", "w2_ptr")}
+        types.update(out_ptr="*" + (t if silu else "fp32"), la_ptr="*fp32", b0_ptr="*fp32",
+                     b1_ptr="*fp32", b2_ptr="*fp32")
+        consts = dict(BLOCK_M=sl._block_m(m), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                      SILU_MUL=silu, IEEE=dtype == torch.float32, PDL=True, LORA=True,
+                      R=r_block, LA_SPLIT=lk.split_of(k))
+        return compiled_shared(sl._kernel(), types, consts, tile.warps, tile.stages)
+
+    def shrink(m, dtype, r_block=64):
+        types = dict(x_ptr="*" + TYPES[dtype], a0_ptr="*fp32", a1_ptr="*fp32", a2_ptr="*fp32",
+                     out_ptr="*fp32", s0="fp32", s1="fp32", s2="fp32")
+        consts = dict(BLOCK_M=sl._block_m(m), BLOCK_K=lk.BLOCK_K, R=r_block,
+                      IEEE=dtype == torch.float32, PDL=True)
+        return compiled_shared(lk._kernel(), types, consts, 4, 2)
+
+    def expand(m, dtype, r_block=64):
+        t = "*" + TYPES[dtype]
+        types = dict(base_ptr=t, la_ptr="*fp32", b_ptr="*fp32", out_ptr=t)
+        consts = dict(BLOCK_M=sl._block_m(m), BLOCK_N=128, R=r_block, LA_SPLIT=8,
+                      IEEE=dtype == torch.float32, PDL=True)
+        return compiled_shared(lk._expand_kernel(), types, consts, 4, 1)
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    shared = {
+        "gate/up bf16 32 rows": gemv(32, 9728, 2560, True, bf16),
+        "down bf16 64 rows": gemv(64, 2560, 9728, False, bf16),
+        "qkv bf16 64 rows": gemv(64, 6144, 2560, False, bf16),
+        "gate/up fp32 32 rows": gemv(32, 3072, 1024, True, fp32),
+        "qkv fp32 1 row": gemv(1, 6144, 2560, False, fp32),
+        "shrink bf16 64 rows": shrink(64, bf16),
+        "shrink fp32 32 rows": shrink(32, fp32),
+        "expand bf16 64 rows": expand(64, bf16),
+        "expand fp32 64 rows": expand(64, fp32),
+    }
+    print(shared)
+    over = {name: b for name, b in shared.items() if b > 227 * 1024}
+    assert not over, over
+""")
+
+
+def test_lora_kernels_compile_for_hopper_within_shared_memory():
+    triton = pytest.importorskip("triton")
+    if not hasattr(triton, "compile"):
+        pytest.skip("this Triton cannot compile ahead of time")
+    run_fresh_python(_HOPPER_CHECK, triton_interpret=False)
+
+
+# -- the layer functions: live adapters routed to the GEMV, LoRARequest rows kept off it -------
+
+def _projection(n: int, k: int, rank: int, scale: float, dtype=torch.float32) -> Linear:
+    lora = () if rank == 0 else ((torch.randn(rank, k) / k ** 0.5, torch.randn(n, rank), scale),)
+    return Linear(torch.randn(n, k).to(dtype), None, lora)
+
+
+def _reference(x: torch.Tensor, p: Linear, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """PEFT's math in float64: W x + s B (A x) (on `rows` only, when given)."""
+    x64 = x.double()
+    out = x64 @ p.weight.double().T
+    for a, b, s in p.lora:
+        delta = s * (x64 @ a.double().T) @ b.double().T
+        out = out + (delta if rows is None else delta * rows.double())
+    return out
+
+
+GEMV = [Kernels(small=True), Kernels(lora_small=True)]
+
+
+@pytest.mark.parametrize("kernels", GEMV, ids=["small", "lora_small"])
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_qkv_group_with_live_adapters_runs_as_one_gemv(kernels, rows, monkeypatch):
+    torch.manual_seed(rows)
+    q, k, v = _projection(96, 256, 16, 2.0), _projection(32, 256, 0, 1.0), _projection(32, 256, 64, 0.5)
+    x = torch.randn(rows, 256)
+    calls = []
+    shrink = lk.lora_shrink
+    monkeypatch.setattr(lk, "lora_shrink", lambda *a, **kw: calls.append(1) or shrink(*a, **kw))
+    outputs = project_group(x, [q, k, v], kernels)
+    assert all(o.dim() == 3 for o in outputs), "expected the GEMV's partials (one launch)"
+    assert len(calls) == 1, "one shrink launch for the group"
+    for out, p in zip(outputs, (q, k, v)):
+        torch.testing.assert_close(out.sum(0).double(), _reference(x, p), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", GEMV, ids=["small", "lora_small"])
+def test_gated_act_and_linear_with_live_adapters(kernels):
+    torch.manual_seed(0)
+    gate, up, down = _projection(64, 128, 8, 2.0), _projection(64, 128, 8, 2.0), _projection(128, 64 * 2, 16, 0.5)
+    x = torch.randn(5, 128)
+    act = gated_act(x, gate, up, F.silu, kernels)
+    want = F.silu(_reference(x, gate)) * _reference(x, up)
+    torch.testing.assert_close(act.double(), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(x, down, kernels).double(), _reference(x, down), rtol=1e-5, atol=1e-4)
+    # Gemma's tanh-GELU: one GEMV for gate and up too, the activation after it.
+    gelu = functools.partial(F.gelu, approximate="tanh")
+    act = gated_act(x, gate, up, gelu, kernels)
+    torch.testing.assert_close(act.double(), gelu(_reference(x, gate)) * _reference(x, up), rtol=1e-5, atol=1e-4)
+
+
+def test_lora_small_needs_an_adapter_and_the_row_limit():
+    """Plain projections keep the cuBLAS path outside `small`, and live-LoRA batches past the
+    dtype's row limit run the unfused path (full outputs, not partials)."""
+    torch.manual_seed(1)
+    plain, adapted = _projection(64, 128, 0, 1.0), _projection(64, 128, 8, 1.0)
+    x = torch.randn(4, 128)
+    assert project_group(x, [plain], Kernels(lora_small=True))[0].dim() == 2
+    assert project_group(x, [adapted], Kernels(lora_small=True))[0].dim() == 3
+    big = torch.randn(lk.max_rows(torch.float32) + 1, 128)
+    out = project_group(big, [adapted], Kernels(lora_small=True))[0]
+    assert out.dim() == 2
+    torch.testing.assert_close(out.double(), _reference(big, adapted), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", [Kernels(), *GEMV], ids=["cublas", "small", "lora_small"])
+def test_lora_request_rows_take_their_adapter_instead_of_the_live_one(kernels):
+    """Rows with a LoRARequest use their adapter instead of the live one (vLLM's rule), whatever
+    path the step's size picks: such projections leave the GEMV for the masked path."""
+    torch.manual_seed(2)
+    live = _projection(64, 128, 8, 2.0)
+    request = (torch.randn(4, 128) / 128 ** 0.5, torch.randn(64, 4), 1.5)
+    live_mask = torch.tensor([[True], [False], [True], [False], [True]])
+    p = live.with_rows(((*request, ~live_mask),), live_mask)
+    x = torch.randn(5, 128)
+    got = project_group(x, [p, p], kernels)
+    want = _reference(x, live, live_mask) + _reference(x, Linear(torch.zeros(64, 128), None, (request,)), ~live_mask)
+    for out in got:
+        assert out.dim() == 2
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_two_live_adapters_and_large_ranks_run_the_unfused_path():
+    torch.manual_seed(3)
+    x = torch.randn(3, 128)
+    two = Linear(torch.randn(64, 128), None, _projection(64, 128, 8, 1.0).lora + _projection(64, 128, 4, 0.5).lora)
+    wide = _projection(64, 128, lk.MAX_RANK * 2, 0.25)
+    for p in (two, wide):
+        out = project_group(x, [p], Kernels(small=True))[0]
+        assert out.dim() == 2
+        torch.testing.assert_close(out.double(), _reference(x, p), rtol=1e-5, atol=1e-4)
+
+
+def test_shrink_partials_off_cuda_match_a_plain_matmul():
+    torch.manual_seed(4)
+    x, a0, a2 = torch.randn(6, 640), torch.randn(8, 640), torch.randn(16, 640)
+    parts = lk.lora_shrink(x, a0, None, a2, 2.0, 0.0, 0.5)
+    r_block = lk.rank_block([8, 0, 16])
+    assert parts.shape == (lk.split_of(640), 6, 3 * r_block)
+    torch.testing.assert_close(lk.low_rank_sum(parts, 0, 8, r_block), 2.0 * x @ a0.T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lk.low_rank_sum(parts, 2, 16, r_block), 0.5 * x @ a2.T, rtol=1e-5, atol=1e-4)
+    assert parts.sum(0)[:, r_block:2 * r_block].abs().max() == 0
