@@ -45,9 +45,10 @@ MAX_RANK = 64
 
 
 def max_rows(dtype: torch.dtype) -> int:
-    """Largest batch whose live-LoRA projections run the GEMV with the adapter folded in: 64 rows
-    for 16-bit models; fp32 tiles of 64 rows overflow the GEMV's shared memory, so 32 there."""
-    return 32 if dtype == torch.float32 else 64
+    """Largest batch whose live-LoRA projections run the GEMV with the adapter folded in: 32 rows.
+    The 64-row tiles overflowed the H200's shared memory at Qwen3-4B's shapes (240 KiB asked,
+    227 KiB there; bench at batch 64, 2026-12-04) and a 33-row bf16 case missed its tolerance."""
+    return 32
 
 
 def rank_block(ranks) -> int:

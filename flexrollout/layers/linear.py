@@ -11,13 +11,12 @@ instance; only which fields are present specialises).
 Live LoRA (one adapter per projection, no LoRARequest rows) runs at nearly the base model's
 launch count: the adapters of projections that share an input (q/k/v, gate/up) get one shrink
 launch (`kernels.lora`: s * A x over PEFT's fp32 A, in place), and
-- up to the GEMV's row limit (`Kernels.small`, and `Kernels.lora_small` up to 64 rows for
-  16-bit models) the GEMV adds B (s A x) to its fp32 sums, so q/k/v stay one launch feeding
-  the q/k/v epilogue and gate/up one launch with SiLU-mul;
-- past it (prefill, large batches, CUDA) cuBLAS computes W x and one `lora_expand` per adapted
-  projection adds B (s A x) and rounds once.
-Everything else (LoRARequest rows, several live adapters on one layer, 4-bit weights, ranks
-past `kernels.lora.MAX_RANK`, CPU) runs `_add_low_rank`.
+up to the GEMV's row limit (`Kernels.small`) the GEMV adds B (s A x) to its fp32 sums, so q/k/v
+stay one launch feeding the q/k/v epilogue and gate/up one launch with SiLU-mul.
+Everything else (more rows, LoRARequest rows, several live adapters on one layer, 4-bit weights,
+ranks past `kernels.lora.MAX_RANK`, CPU) runs `_add_low_rank`. (`kernels.lora.lora_expand`, the
+cuBLAS + expand path for more rows, passes its interpreter tests but has not run on a GPU yet,
+so it is not routed.)
 """
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ class Kernels:
     most its row limit; `pdl`: launched with programmatic dependent launch), and the q/k/v
     epilogue kernel after the projections in decode, and the grouped GEMV of small MoE steps.
     `lora_small`: projections with a live adapter run the GEMV with the adapter folded in, at
-    up to `lora_kernels.max_rows` rows (64 for 16-bit models: past `small`'s limit, where the
-    fused adapter beats cuBLAS plus separate low-rank kernels)."""
+    up to `lora_kernels.max_rows` rows."""
 
     small: bool = False
     pdl: bool = True
@@ -92,8 +90,6 @@ def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Te
         out = gemv.small_linear(x, p.weight, pdl=kernels.pdl, low_rank=low_rank, b0=lora_b[0])
         out = out.sum(0).to(x.dtype)
         return out if p.bias is None else out + p.bias
-    if _expands(x, [p]):
-        return _project_expanded(x, [p], kernels)[0]
     if p.quant is not None:
         out = project_4bit(x, p.weight, p.quant, p.bias)
     else:
@@ -174,27 +170,6 @@ def _shrink(x: torch.Tensor, projections: list[Linear], kernels: Kernels):
     return lora_kernels.lora_shrink(x, *lora_a, *scales, pdl=kernels.pdl), lora_b
 
 
-def _expands(x: torch.Tensor, projections: list[Linear]) -> bool:
-    """Live adapters past the GEMV (CUDA): cuBLAS for W x, `lora_expand` adds the adapter."""
-    return (x.is_cuda and x.dim() == 2 and any(len(p.lora) > 0 for p in projections)
-            and all(_fusable(p) for p in projections))
-
-
-def _project_expanded(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:
-    """Full (T, out) results of projections of one input, past the GEMV's row limit: cuBLAS
-    for W x + b, one shrink for all their adapters, one expand per adapted projection that adds
-    B (s A x) and rounds once (PEFT's order). The adapters are read in place, never cast."""
-    low_rank, lora_b = _shrink(x, projections, kernels)
-    r_block = lora_kernels.rank_block([0 if b is None else b.shape[1] for b in lora_b])
-    outs = []
-    for slot, (p, b) in enumerate(zip(projections, lora_b)):
-        out = F.linear(x, p.weight, p.bias)
-        if b is not None:
-            out = lora_kernels.lora_expand(out, low_rank, b, slot, r_block, pdl=kernels.pdl)
-        outs.append(out)
-    return outs
-
-
 def project_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:
     """Several projections of one input (q/k/v). Small batches run as one GEMV launch (live
     adapters folded in: one more launch computes their s * A x) and come back as fp32 partial
@@ -207,8 +182,6 @@ def project_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) 
         partials = gemv.small_linear(x, *weights, pdl=kernels.pdl, low_rank=low_rank,
                                      b0=lora_b[0], b1=lora_b[1], b2=lora_b[2])
         return list(partials.split(widths, dim=-1))
-    if len(projections) <= 3 and _expands(x, projections):
-        return _project_expanded(x, projections, kernels)
     return [linear(x, p, kernels) for p in projections]
 
 
