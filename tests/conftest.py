@@ -295,6 +295,16 @@ def tiny_llama():
     return factory
 
 
+@pytest.fixture(scope="module")
+def peaky(tiny_llama):
+    """A tiny random Llama (vocab 512) with a sharpened output distribution: logit std ~1.7
+    instead of ~0.17, so greedy paths have no near-ties and sampled distributions are peaked."""
+    model, tok = tiny_llama(seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+    return model, tok
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3():
     """Factory: ``tiny_qwen3(tie=..., llama3_rope=..., heads=..., kv_heads=...)``."""

@@ -5,7 +5,7 @@ logits, never flexrollout's own earlier output -- except the seed-reproducibilit
 flexrollout runs by design.
 
 * Exact checks (logprobs, prompt logprobs, penalties, stop conditions) use SmolLM2-135M-Instruct in fp32.
-* Distribution checks use a tiny random Llama whose ``lm_head`` is scaled up (``PEAKY_SCALE``) so the next-token
+* Distribution checks use a tiny random Llama whose ``lm_head`` is scaled up (x10, conftest.py's ``peaky`` fixture) so the next-token
   distribution is neither flat nor one-hot; thousands of one-token samples of one prompt share one prefill per
   group part.  Each case must pass a chi-square test (shape) and a z-test on the mean logit of the drawn tokens
   (temperature-sensitive), both at a false-alarm level below 1e-6, and asserts its own power: the same counts
@@ -26,7 +26,6 @@ from flexrollout import LLM, SamplingParams
 # ============================================================================================ helpers
 
 PAGE = 16
-PEAKY_SCALE = 10.0  # lm_head multiplier for the tiny model: logit std ~1.7 instead of ~0.17
 LP_TOL = 1e-4  # engine vs HF logprob tolerance (fp32, different attention code paths)
 
 def _chat_ids(tok, content: str) -> list[int]:
@@ -171,15 +170,6 @@ def smol(smollm2, stop_ids):
         seed=0,
     )
     return types.SimpleNamespace(llm=llm, model=model, tok=tok, eos=stop_ids(model, tok))
-
-
-@pytest.fixture(scope="module")
-def peaky(tiny_llama):
-    """A tiny random Llama (vocab 512) with a sharpened output distribution, and its tokenizer."""
-    model, tok = tiny_llama(seed=3)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(PEAKY_SCALE)
-    return model, tok
 
 
 def _tiny_llm(peaky, **overrides) -> LLM:

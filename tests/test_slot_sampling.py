@@ -20,17 +20,7 @@ from flexrollout.bench import random_model
 
 from conftest import random_prompts, tiny_llm
 
-PEAKY_SCALE = 10.0
 SEED_STEP = 0x9E3779B97F4A7C15      # sample i of a seeded request draws with seed + i * SEED_STEP
-
-
-@pytest.fixture(scope="module")
-def peaky(tiny_llama):
-    """A tiny random Llama (vocab 512) with a sharpened output distribution: greedy paths without near-ties."""
-    model, tok = tiny_llama(seed=3)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(PEAKY_SCALE)
-    return model, tok
 
 
 @torch.no_grad()
