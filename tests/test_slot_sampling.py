@@ -301,7 +301,7 @@ def test_processed_logits_at_real_vocab_match_hf_processors():
             # the second row's stop ids top its distribution: min_tokens holds them back for 3 tokens
             logits[1, [11, 151_935, 7]] = torch.tensor([40.0, 40.0, 30.0])
             st = build_sampling_tensors(seqs, vocab, state)
-            processed = process_logits(logits, st.counters, st.bias, *state.step_tensors(st.slots, st.processors))
+            processed = process_logits(logits, st.counters, st.bans, *state.step_tensors(st.slots, st.processors))
             for row, seq in enumerate(seqs):
                 assert torch.equal(processed[row], _hf_processed(logits[row], seq)), (step, row)
             tokens = sample(logits, st).token_ids.tolist()

@@ -74,7 +74,7 @@ class DecodeGraphs:
 
     def can_run(self, batch: int, st: SamplingTensors) -> bool:
         """Steps with host-built bans (multi-token bad words) run eagerly: they change each step."""
-        return batch <= self.buckets[-1] and st.bias is None
+        return batch <= self.buckets[-1] and st.bans is None
 
     def _bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
@@ -110,7 +110,7 @@ class DecodeGraphs:
         gv = {name: t[:bucket] for name, t in self.graph_vars.items()}
         st = SamplingTensors(
             temperature=gv["temperature"], top_k=gv["top_k"], top_p=gv["top_p"], min_p=gv["min_p"],
-            seeds=gv["seeds"], counters=gv["counters"], bias=None,
+            seeds=gv["seeds"], counters=gv["counters"], bans=None,
             need_truncation=need_truncation, all_greedy=all_greedy, max_logprobs=max_logprobs,
             slots=gv["slots"], processors=processors, slot_state=self.runner.slot_sampling)
         return self.runner.decode_step(gv["input_ids"], gv["from_device"], gv["positions"],

@@ -16,7 +16,7 @@ is indexed by each row's slot: static bias rows (allowed_token_ids, logit_bias, 
 words), the min_tokens stop ban, and the penalties' counts and prompt mask, which the step itself
 increments with the token it draws. So a step that applies them needs nothing from the host but
 its slots, and replays from a CUDA graph. Multi-token bad words depend on the last generated
-tokens: their bans are still built on the host each step (`SamplingTensors.bias`), and such steps
+tokens: their bans are still built on the host each step (`SamplingTensors.bans`), and such steps
 run eagerly and synchronously.
 """
 from __future__ import annotations
@@ -93,7 +93,7 @@ class SamplingTensors:
     min_p: torch.Tensor              # (B,) float
     seeds: torch.Tensor              # (B,) int64
     counters: torch.Tensor           # (B,) int64: position of the token being drawn
-    bias: torch.Tensor | None        # (B, V) additive bans of multi-token bad words, or None
+    bans: torch.Tensor | None        # (B, V) -inf bans of multi-token bad words, or None
     need_truncation: bool            # any row uses top-k / top-p / min-p
     all_greedy: bool
     max_logprobs: int                # largest `logprobs` k in the batch; -1 when none asked
@@ -179,8 +179,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     """logits: (B, V) fp32 -> sampled ids (and logprobs when asked). A step with processors also
     counts its drawn tokens into their slots' penalty counts."""
     fused = _fused if logits.is_cuda else (lambda fn: fn)
-    if st.processors or st.bias is not None:
-        logits = fused(process_logits)(logits, st.counters, st.bias, *_slot_args(st))
+    if st.processors or st.bans is not None:
+        logits = fused(process_logits)(logits, st.counters, st.bans, *_slot_args(st))
     greedy = st.temperature == 0
     temperature = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
     logits = logits / temperature[:, None]
@@ -325,7 +325,8 @@ class SlotSampling:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
     def _put(self, target: torch.Tensor, cells: list[tuple[int, int]], value, accumulate=False) -> None:
-        """target[slot, token] = value (or += value) at each (slot, token) of `cells`."""
+        """target[slot, token] = value (or += value) at each (slot, token) of `cells`; `value` is
+        one for all cells or a list of one per cell."""
         if not cells:
             return
         rows, cols = zip(*cells)
@@ -340,18 +341,17 @@ class SlotSampling:
         if allowed:
             self.bias.index_fill_(0, self._ids([seq.slot for seq in allowed]), float("-inf"))
             self._put(self.bias, [(seq.slot, t) for seq in allowed for t in seq.params.allowed_token_ids], 0.0)
-        biased = [(seq.slot, int(t), float(v)) for seq in seqs for t, v in (seq.params.logit_bias or {}).items()]
+        biased = [((seq.slot, int(t)), float(v)) for seq in seqs for t, v in (seq.params.logit_bias or {}).items()]
         if biased:
-            rows, cols, values = zip(*biased)
-            self.bias.index_put_((self._ids(rows), self._ids(cols)),
-                                 torch.tensor(values).to(self.device), accumulate=True)
+            cells, values = zip(*biased)
+            self._put(self.bias, list(cells), list(values), accumulate=True)
         self._put(self.bias, [(seq.slot, t) for seq in seqs for t in seq.one_token_bad_words], float("-inf"))
 
     def _admit_min_tokens(self, seqs, slots: torch.Tensor) -> None:
         self.stop_mask.index_fill_(0, slots, False)
-        held = [seq for seq in seqs if "min_tokens" in slot_parts(seq)]
-        self._put(self.stop_mask, [(seq.slot, t) for seq in held for t in seq.stop_ids], True)
-        ends = [seq.num_prompt_tokens + seq.params.min_tokens if seq in held else 0 for seq in seqs]
+        held = ["min_tokens" in slot_parts(seq) for seq in seqs]
+        self._put(self.stop_mask, [(seq.slot, t) for seq, h in zip(seqs, held) if h for t in seq.stop_ids], True)
+        ends = [seq.num_prompt_tokens + seq.params.min_tokens if h else 0 for seq, h in zip(seqs, held)]
         self.min_end.index_copy_(0, slots, self._ids(ends))
 
     def _admit_penalties(self, seqs, slots: torch.Tensor) -> None:
@@ -420,7 +420,7 @@ def build_sampling_tensors(seqs, vocab: int, slot_state: SlotSampling | None = N
         min_p=torch.tensor(min_p, dtype=torch.float32),
         seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64),
         counters=torch.tensor([s.num_tokens_with_pending for s in seqs], dtype=torch.int64),
-        bias=_bad_word_bans(seqs, vocab),
+        bans=_bad_word_bans(seqs, vocab),
         need_truncation=need_truncation,
         all_greedy=all(t == 0 for t in temperature),
         max_logprobs=max((vocab if k == -1 else k for k in logprob_ks), default=-1),
@@ -439,8 +439,8 @@ def sampling_to_device(st: SamplingTensors, device: torch.device) -> SamplingTen
         return st
     packed = pack_rows([getattr(st, f) for f in _ROW_FIELDS]).to(device, non_blocking=True)
     moved = {f: unpack_row(packed[i], getattr(st, f).dtype) for i, f in enumerate(_ROW_FIELDS)}
-    bias = None if st.bias is None else st.bias.to(device, non_blocking=True)
-    return SamplingTensors(**moved, bias=bias, need_truncation=st.need_truncation,
+    bans = None if st.bans is None else st.bans.to(device, non_blocking=True)
+    return SamplingTensors(**moved, bans=bans, need_truncation=st.need_truncation,
                            all_greedy=st.all_greedy, max_logprobs=st.max_logprobs,
                            processors=st.processors, slot_state=st.slot_state)
 
