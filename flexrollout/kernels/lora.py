@@ -8,11 +8,10 @@ to its fp32 sums before its epilogue (q/k/v partials, SiLU-mul): so a live adapt
 extra launch per group of projections (q/k/v, gate/up, o, down) and reads each adapter's bytes
 once, and the fused epilogues still apply.
 
-Batches past the GEMV's row limit (prefill, large decode batches) keep cuBLAS for W x and add the
-adapter with `lora_expand`: base + B (s A x), read in place (B in its own dtype), rounded once to
-the base's dtype (PEFT's order: the bf16 base output plus the fp32 delta). So no batch size casts
-the adapters per step, and a projection group runs one shrink plus one expand per projection
-instead of two casts, two GEMMs and an add per projection.
+`lora_expand` is the kernel for batches past the GEMV's row limit (prefill, large decode batches):
+cuBLAS for W x, then base + B (s A x), read in place (B in its own dtype), rounded once to the
+base's dtype (PEFT's order). It passes its interpreter tests but has not run on a GPU, so the
+engine does not route to it yet: those batches run `layers/linear.py`'s `_add_low_rank`.
 
 The shrink's result is fp32 partial sums (split, M, slots * R): K is cut into `split` slices so that
 enough programs stream the A matrices (each is only r x K), and the consumer sums the slices
@@ -44,11 +43,10 @@ MAX_SPLIT = 8
 MAX_RANK = 64
 
 
-def max_rows(dtype: torch.dtype) -> int:
-    """Largest batch whose live-LoRA projections run the GEMV with the adapter folded in: 32 rows.
-    The 64-row tiles overflowed the H200's shared memory at Qwen3-4B's shapes (240 KiB asked,
-    227 KiB there; bench at batch 64, 2026-12-04) and a 33-row bf16 case missed its tolerance."""
-    return 32
+# Largest batch whose live-LoRA projections run the GEMV with the adapter folded in. The 64-row
+# tiles overflowed the H200's shared memory at Qwen3-4B's shapes (240 KiB asked, 227 KiB there;
+# bench at batch 64, 2026-12-04) and a 33-row bf16 case missed its tolerance.
+MAX_ROWS = 32
 
 
 def rank_block(ranks) -> int:

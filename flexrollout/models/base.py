@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..attention.flex import AttentionMetadata, paged_attention
 from ..compile import compiled
 from ..kernels import small_linear as gemv
-from ..kernels.lora import max_rows as lora_max_rows
+from ..kernels.lora import MAX_ROWS as LORA_MAX_ROWS
 from ..layers.linear import Kernels, Linear, gemv_ready, linear, read_linear
 from ..layers.norm import LLAMA, rms_norm
 from ..layers.quant import logical_shape
@@ -271,7 +271,7 @@ class DecoderForward:
         rope = {key: (cos[positions], sin[positions]) for key, (cos, sin) in self._rope.items()}
         small = input_ids.is_cuda and input_ids.shape[0] <= self.options.small_rows
         lora_small = (input_ids.is_cuda and self.options.small_rows > 0
-                      and input_ids.shape[0] <= lora_max_rows(self.dtype))
+                      and input_ids.shape[0] <= LORA_MAX_ROWS)
         kernels = Kernels(small=small, pdl=self.options.gemv_pdl, epilogue=self.options.qkv_epilogue,
                           expert_rows=self.options.expert_rows if input_ids.is_cuda else 0,
                           lora_small=lora_small)
