@@ -37,7 +37,7 @@ class Kernels:
     most its row limit; `pdl`: launched with programmatic dependent launch), and the q/k/v
     epilogue kernel after the projections in decode, and the grouped GEMV of small MoE steps.
     `lora_small`: projections with a live adapter run the GEMV with the adapter folded in, at
-    up to `lora_kernels.max_rows` rows."""
+    up to `lora_kernels.MAX_ROWS` rows."""
 
     small: bool = False
     pdl: bool = True
@@ -86,10 +86,8 @@ def read_linear(module: torch.nn.Module, merged=None) -> Linear:
 def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Tensor:
     """x @ W^T + b + sum(scaling * B (A x)) for (T, in) rows."""
     if len(p.lora) > 0 and _on_gemv(x, [p], kernels):
-        low_rank, lora_b = _shrink(x, [p], kernels)
-        out = gemv.small_linear(x, p.weight, pdl=kernels.pdl, low_rank=low_rank, b0=lora_b[0])
-        out = out.sum(0).to(x.dtype)
-        return out if p.bias is None else out + p.bias
+        # The GEMV with the adapter folded in: a group of one.
+        return finish_group(project_group(x, [p], kernels), [p], x.dtype)[0]
     if p.quant is not None:
         out = project_4bit(x, p.weight, p.quant, p.bias)
     else:
@@ -151,7 +149,7 @@ def _on_gemv(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bo
     adapted = any(len(p.lora) > 0 for p in projections)
     if not adapted:
         return kernels.small            # (the engine turns it on only where every weight fits)
-    rows_fit = kernels.small or (kernels.lora_small and x.shape[0] <= lora_kernels.max_rows(x.dtype))
+    rows_fit = kernels.small or (kernels.lora_small and x.shape[0] <= lora_kernels.MAX_ROWS)
     # An adapted LM head is not covered by the engine's check of the layers' weights.
     return rows_fit and (not x.is_cuda or all(gemv.weight_supported(p.weight) for p in projections))
 
