@@ -132,7 +132,7 @@ _HOPPER_CHECK = textwrap.dedent("""
         types = {p: "*" + t for p in ("x_ptr", "w0_ptr", "w1_ptr", "w2_ptr")}
         types.update(out_ptr="*" + (t if silu else "fp32"), la_ptr="*fp32", b0_ptr="*fp32",
                      b1_ptr="*fp32", b2_ptr="*fp32")
-        consts = dict(BLOCK_M=sl._block_m(m), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        consts = dict(BLOCK_M=sl.row_block(m), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                       SILU_MUL=silu, IEEE=dtype == torch.float32, PDL=True, LORA=True,
                       R=r_block, LA_SPLIT=lk.split_of(k))
         return compiled_shared(sl._kernel(), types, consts, tile.warps, tile.stages)
@@ -140,14 +140,14 @@ _HOPPER_CHECK = textwrap.dedent("""
     def shrink(m, dtype, r_block=64):
         types = dict(x_ptr="*" + TYPES[dtype], a0_ptr="*fp32", a1_ptr="*fp32", a2_ptr="*fp32",
                      out_ptr="*fp32", s0="fp32", s1="fp32", s2="fp32")
-        consts = dict(BLOCK_M=sl._block_m(m), BLOCK_K=lk.BLOCK_K, R=r_block,
+        consts = dict(BLOCK_M=sl.row_block(m), BLOCK_K=lk.BLOCK_K, R=r_block,
                       IEEE=dtype == torch.float32, PDL=True)
         return compiled_shared(lk._kernel(), types, consts, 4, 2)
 
     def expand(m, dtype, r_block=64):
         t = "*" + TYPES[dtype]
         types = dict(base_ptr=t, la_ptr="*fp32", b_ptr="*fp32", out_ptr=t)
-        consts = dict(BLOCK_M=sl._block_m(m), BLOCK_N=128, R=r_block, LA_SPLIT=8,
+        consts = dict(BLOCK_M=sl.row_block(m), BLOCK_N=128, R=r_block, LA_SPLIT=8,
                       IEEE=dtype == torch.float32, PDL=True)
         return compiled_shared(lk._expand_kernel(), types, consts, 4, 1)
 

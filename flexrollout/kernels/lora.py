@@ -34,6 +34,8 @@ import functools
 
 import torch
 
+from .small_linear import row_block
+
 BLOCK_K = 128
 # K slices per shrink: enough programs to stream the A matrices, few enough partial tiles for
 # the consumer to sum.
@@ -179,7 +181,7 @@ def launch(x, a0, a1, a2, scales, pdl: bool = False) -> torch.Tensor:
     r_block, k_per = rank_block(ranks), k_slice(k)
     split = -(-k // k_per)
     out = torch.empty(split, m, slots * r_block, device=x.device, dtype=torch.float32)
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_m = row_block(m)
     dummy = next(a for a in (a0, a1, a2) if a is not None)
     adapters = [dummy if a is None else a for a in (a0, a1, a2)]
     extra = {"launch_pdl": True} if pdl else {}
@@ -215,7 +217,7 @@ def launch_expand(base, low_rank, b, slot: int, r_block: int, pdl: bool = False)
     if base.stride(1) != 1 or not b.is_contiguous():
         raise ValueError("lora_expand needs unit column stride in base and a contiguous B")
     out = torch.empty(m, n, device=base.device, dtype=base.dtype)
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_m = row_block(m)
     extra = {"launch_pdl": True} if pdl else {}
     _expand_kernel()[(triton.cdiv(n, 128), triton.cdiv(m, block_m))](
         base, low_rank, b, out, m, n, b.shape[1], slot, base.stride(0), out.stride(0),

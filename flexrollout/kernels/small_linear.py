@@ -85,7 +85,7 @@ def tiling(m: int, n_total: int, k: int, silu_mul: bool, dtype: torch.dtype) -> 
     if silu_mul:
         # 17..32 rows of 16-bit weights: 128-row blocks and 8 warps (3.56 against 3.25 TB/s).
         # fp32 tiles of that size overflow shared memory.
-        # (33..64 rows, live-LoRA only: 64-row blocks, whose three-stage tiles fit at 64 rows.)
+        # (33..64 rows, benchmarks only: 64-row blocks, whose three-stage tiles fit at 64 rows.)
         wide = 16 < m <= 32 and dtype != torch.float32
         return Tiling(block_n=128 if wide else BLOCK_N, warps=8 if wide else 4, stages=3)
     long_k = _long_k_tiling(m, n_total, k, dtype)
@@ -257,14 +257,15 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
         x, w0, w0 if w1 is None else w1, w0 if w2 is None else w2, out, m, k, k // tile.split,
         n0, n1, n2, blocks[0], blocks[1], x.stride(0), out.stride(0), out.stride(1),
         la, *b_ptrs, *ranks, la.stride(0), la.stride(1),
-        BLOCK_M=_block_m(m), BLOCK_N=tile.block_n,
+        BLOCK_M=row_block(m), BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, SILU_MUL=silu_mul, IEEE=x.dtype == torch.float32, PDL=pdl,
         LORA=low_rank is not None, R=rank_block(ranks), LA_SPLIT=la.shape[0] if low_rank is not None else 1,
         num_warps=tile.warps, num_stages=tile.stages, **extra)
     return out
 
 
-def _block_m(m: int) -> int:
+def row_block(m: int) -> int:
+    """Rows per tile for a batch of m rows (16, 32 or 64: the matrix units' operand sizes)."""
     return 16 if m <= 16 else (32 if m <= 32 else 64)
 
 
