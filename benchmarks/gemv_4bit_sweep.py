@@ -34,6 +34,8 @@ def main() -> None:
     import bitsandbytes as bnb
     import bitsandbytes.functional as bf
 
+    from flexrollout.layers.quant import state_bytes
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="1,4,8,16,32,64")
     parser.add_argument("--json")
@@ -46,7 +48,7 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         packed, state = bf.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
-        packed_bytes = packed.numel() + quant_state_bytes_of(state)
+        packed_bytes = packed.numel() + state_bytes(state)
         for m in [int(r) for r in args.rows.split(",")]:
             row = _row(name, m, weight, packed, state, packed_bytes)
             results.append(row)
@@ -74,13 +76,6 @@ def _row(name, m, weight, packed, state, packed_bytes) -> dict:
     for key in [k for k in row if k.endswith("_us")]:
         row[key.replace("_us", "_GBs")] = packed_bytes / row[key] / 1e3
     return row
-
-
-def quant_state_bytes_of(state) -> int:
-    tensors = [state.absmax, state.code]
-    if state.nested:
-        tensors += [state.state2.absmax, state.state2.code]
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 if __name__ == "__main__":

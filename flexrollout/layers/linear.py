@@ -125,7 +125,8 @@ def _add_low_rank(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
 
 def gemv_ready(p: Linear) -> bool:
     """Small batches of this projection can run a GEMV kernel: the 16-bit one streams its weight,
-    or it is a 4-bit weight, which `project_4bit` routes to its own kernel."""
+    or it is a 4-bit weight, which `project_4bit` routes by itself (bitsandbytes' GEMV at one
+    row), so it does not keep the model's 16-bit projections (the LM head) off the GEMV."""
     return p.quant is not None or gemv.weight_supported(p.weight)
 
 

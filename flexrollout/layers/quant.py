@@ -53,8 +53,11 @@ def quant_state_bytes(weight: torch.Tensor) -> int:
     absmax (uint8 codes when nested, with the second level's fp32 absmax, code and offset) and
     the 16-entry code. 0 for an ordinary tensor."""
     state = quant_state_of(weight)
-    if state is None:
-        return 0
+    return 0 if state is None else state_bytes(state)
+
+
+def state_bytes(state) -> int:
+    """Bytes of one bitsandbytes QuantState's tensors (see `quant_state_bytes`)."""
     tensors = [state.absmax, state.code]
     if state.nested:
         tensors += [state.state2.absmax, state.state2.code, state.offset]
