@@ -629,8 +629,9 @@ def check_args(args) -> None:
     if unknown_sets:
         raise UserError(f"--sampling-options: unknown {', '.join(sorted(unknown_sets))} "
                         f"({', '.join(SAMPLING_OPTION_SETS)})")
-    if "penalties" in args.sampling_options.split(",") and args.max_tokens is not None and args.max_tokens < 8:
-        raise UserError("--sampling-options penalties sets min_tokens=8: --max-tokens must be at least 8")
+    held = sampling_options("penalties", vocab=1)["min_tokens"]
+    if "penalties" in args.sampling_options.split(",") and args.max_tokens is not None and args.max_tokens < held:
+        raise UserError(f"--sampling-options penalties sets min_tokens={held}: --max-tokens must be at least {held}")
     unknown = set(args.workload.split(",")) - {"decode", "grpo", "prefill"}
     if unknown:
         raise UserError(f"--workload: unknown {', '.join(sorted(unknown))} (decode, grpo, prefill)")
