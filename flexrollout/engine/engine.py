@@ -114,8 +114,7 @@ class LLMEngine:
             backend = "flex" if device.type == "cuda" else "reference"
         self.runner = ModelRunner(forward, self.cache, self.pages, device, backend,
                                   config.flex_kernel_options)
-        if device.type == "cuda" and not config.enforce_eager and backend == "flex" \
-                and not forward.quantized:       # 4-bit weights run eagerly for now
+        if device.type == "cuda" and not config.enforce_eager and backend == "flex":
             self.runner.graphs = DecodeGraphs(self.runner, config.max_num_seqs)
         self.stats = EngineStats()
         self._pending: PendingDecode | None = None

@@ -2,10 +2,13 @@
 
 A `Linear4bit` layer's weight is a `Params4bit`: packed uint8 nibbles with a `quant_state`
 (per-block absmax, nested when double-quantised, the 16-entry code, the original shape and
-compute dtype). Projections run bitsandbytes' own forward ops, as its `Linear4bit` does: one row
-on CUDA takes its fused 4-bit GEMV, which reads the packed weight in place; more rows dequantise
-the weight into a transient tensor and multiply. Nothing is stored beside the packed weights, and
-a transient lives only for its projection. bitsandbytes is imported only when such a model arrives.
+compute dtype). Projections on CUDA run bitsandbytes' own forward op, as its `Linear4bit` does
+(`matmul_4bit` -> `gemm_4bit`): its fused kernel reads the packed weight and the nested absmax in
+place for the row counts its per-architecture heuristic picks, and above them it dequantises
+into a transient and multiplies. Elsewhere (CPU) the weight is dequantised into a transient.
+Nothing is stored beside the packed weights, and a transient lives only for its projection.
+None of these ops reads anything back to the host, so a decode step over 4-bit weights is
+captured as a CUDA graph like any other. bitsandbytes is imported only when such a model arrives.
 
 The Triton kernel of `kernels/gemv_4bit.py` is not routed: on an H200 it took 375-1,690 us per
 Qwen3-4B projection against bitsandbytes' 35-63 us at one row and 37-140 us (dequantise +
@@ -41,7 +44,7 @@ def dequantize_4bit(weight: torch.Tensor, quant_state, dtype: torch.dtype) -> to
 def project_4bit(x: torch.Tensor, weight: torch.Tensor, quant_state,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T + b for a packed 4-bit weight, in x's dtype."""
-    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
+    if x.is_cuda:
         import bitsandbytes as bnb
 
         return bnb.matmul_4bit(x, weight.t(), quant_state=quant_state, bias=bias)

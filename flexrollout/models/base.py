@@ -172,8 +172,8 @@ class DecoderForward:
         self.options = options
         self._rope = self.rope_tables(options.max_len)
         small = options.small_rows if self._gemv_ready() else 0
-        # 4-bit weights run eagerly (bitsandbytes' dequantise op, as its own forward does) until
-        # a fused 4-bit kernel lands: not compiled, not captured in decode graphs.
+        # 4-bit weights run bitsandbytes' ops outside torch.compile (its QuantState is a plain
+        # object whose fields dynamo would guard per projection); decode graphs still capture them.
         compile_layers = options.compile_layers and not self.quantized
         self.options = replace(options, small_rows=min(small, gemv.MAX_ROWS), compile_layers=compile_layers)
 
