@@ -489,9 +489,11 @@ def tiny_llm(model, tok, **overrides):
     return LLM(model, **kwargs)
 
 
-def run_fresh_python(code: str, triton_interpret: bool) -> None:
-    """Run `code` in a fresh interpreter and fail with its stderr if it fails. Kernel checks run
-    this way because TRITON_INTERPRET must be set before a Triton kernel is first built."""
+def run_fresh_python(code: str, triton_interpret: bool) -> str:
+    """Run `code` in a fresh interpreter, fail with its stderr if it fails, return its stdout.
+    Kernel checks run this way because TRITON_INTERPRET must be set before a Triton kernel is
+    first built; references that need a module hidden from transformers' import-time kernel
+    choice do too."""
     import subprocess
     import sys
 
@@ -501,3 +503,4 @@ def run_fresh_python(code: str, triton_interpret: bool) -> None:
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout

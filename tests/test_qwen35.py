@@ -8,10 +8,20 @@ norms away from their init). References: HF `generate` (greedy) and HF's teacher
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from conftest import TINY_EOS, TINY_VOCAB, make_tiny_tokenizer, random_prompts, saved_adapter_models, tiny_llm
+from conftest import (
+    TINY_EOS,
+    TINY_VOCAB,
+    make_tiny_tokenizer,
+    random_prompts,
+    run_fresh_python,
+    saved_adapter_models,
+    tiny_llm,
+)
 from flexrollout import SamplingParams
 
 ARCHS = ["dense", "moe"]
@@ -452,6 +462,29 @@ def _first_logprobs(out) -> list[float]:
     return [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
 
 
+_HF_TORCH_RULE = """
+import json, sys
+sys.modules["fla"] = None     # before transformers resolves its kernels: HF's own torch rule
+sys.path.insert(0, {tests!r})
+from test_qwen35 import _cuda_prompts, _hf_cuda_greedy, _real_width_model
+model = _real_width_model({arch!r}, __import__("torch").float32)
+prompts = _cuda_prompts(model.config.vocab_size, {lengths!r}, seed={seed})
+print(json.dumps([_hf_cuda_greedy(model, p, {new_tokens}) for p in prompts]))
+"""
+
+
+def _hf_torch_rule_greedy(arch: str, lengths, seed: int, new_tokens: int) -> list[list[int]]:
+    """HF generate on `_real_width_model(arch)` in fp32 with its torch gated-delta rule. With
+    flash-linear-attention installed, transformers binds fla's kernels at import, even for fp32
+    inputs, and their tf32-class dots are not the fp32 rule: the reference runs in a fresh
+    interpreter where fla cannot be imported (same seeds, same weights)."""
+    import json
+
+    code = _HF_TORCH_RULE.format(tests=os.path.dirname(__file__), arch=arch, lengths=tuple(lengths),
+                                 seed=seed, new_tokens=new_tokens)
+    return json.loads(run_fresh_python(code, triton_interpret=False).strip().splitlines()[-1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gpu_real_widths_fp32_greedy_matches_hf_with_graphs(arch):
@@ -459,14 +492,16 @@ def test_gpu_real_widths_fp32_greedy_matches_hf_with_graphs(arch):
     graphs with the compiled linear-attention step, against HF generate."""
     from flexrollout import LLM
 
+    lengths, seed = (5, 140, 300), 5
     model = _real_width_model(arch, torch.float32)
-    prompts = _cuda_prompts(model.config.vocab_size, (5, 140, 300), seed=5)
+    prompts = _cuda_prompts(model.config.vocab_size, lengths, seed=seed)
     llm = LLM(model, max_model_len=1024, max_num_seqs=8, num_kv_pages=64)
     assert llm.llm_engine.runner.graphs is not None
     outs = llm.generate(_prompts(prompts), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                         use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == _hf_cuda_greedy(model, prompt, 16)
+    del llm, model
+    torch.cuda.empty_cache()
+    assert [out.outputs[0].token_ids for out in outs] == _hf_torch_rule_greedy(arch, lengths, seed, 16)
 
 
 @pytest.mark.gpu
