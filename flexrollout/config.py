@@ -63,10 +63,14 @@ class EngineConfig:
     # Decode's q/k/v epilogue kernel (partial sums, bias, q/k norm, RoPE, K/V store in one launch);
     # off only to measure the compiled path it replaces.
     qkv_epilogue: bool = True
+    # LoRARequest adapters one decode step can mix while replaying from the CUDA graph (slots of
+    # the adapter table, `lora/table.py`; vLLM's name). A step mixing more runs eagerly. The
+    # table is allocated as adapters are used: r x (in + out) per adapted projection and slot.
+    max_loras: int = 4
     # Launch decode step t+1 before reading step t's tokens back (they are fed device to device),
     # so host work (scheduling, stop checks, detokenizing) overlaps the GPU. Stops are found a step
-    # late (that extra token is discarded). Prefills, preemptions and steps with penalties, biases,
-    # min_tokens, bad words or LoRA rows still run synchronously. False: read every step back first.
+    # late (that extra token is discarded). Prefills, preemptions and steps with multi-token bad
+    # words still run synchronously. False: read every step back first.
     async_decode: bool = True
     # Share the KV pages of identical prompts inside one generate call (GRPO groups).
     enable_prefix_caching: bool = True
@@ -76,7 +80,7 @@ class EngineConfig:
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "small_batch_max_rows", "mlp_chunk_tokens"):
+        for name in ("max_num_seqs", "small_batch_max_rows", "mlp_chunk_tokens", "max_loras"):
             _check_positive_int(name, getattr(self, name))
         rows = self.moe_small_batch_max_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:

@@ -37,7 +37,7 @@ _IGNORED = {
     "download_dir", "load_format", "swap_space", "disable_log_stats", "disable_custom_all_reduce",
     "distributed_executor_backend", "model_impl", "enable_chunked_prefill", "max_seq_len_to_capture",
     "compilation_config", "worker_extension_cls", "max_logprobs",
-    "max_loras", "max_cpu_loras", "lora_dtype", "hf_overrides",
+    "max_cpu_loras", "lora_dtype", "hf_overrides",
     "served_model_name", "allowed_local_media_path", "limit_mm_per_prompt", "async_scheduling",
     "disable_async_output_proc", "use_v2_block_manager", "num_scheduler_steps",
 }
@@ -96,7 +96,8 @@ class LLM:
         self._weights_key = self._weights_fingerprint()
         self._lora_registry: AdapterRegistry | None = None
         if enable_lora or hasattr(self.model, "peft_config"):
-            self.llm_engine.vllm_config.lora_config = LoRAConfig(max_lora_rank=max_lora_rank)
+            self.llm_engine.vllm_config.lora_config = LoRAConfig(max_lora_rank=max_lora_rank,
+                                                                 max_loras=self.config.max_loras)
         self._sequence_maker = SequenceMaker(seed, self._eos_token_ids(hf))
 
     # -- construction helpers ----------------------------------------------------------------
@@ -308,6 +309,7 @@ class LLM:
         return self._lora_registry
 
     def remove_lora(self, lora_id: int) -> bool:
+        self.llm_engine.runner.adapter_table.remove(lora_id)
         return self._lora_registry is not None and self._lora_registry.remove(lora_id)
 
     def list_loras(self) -> set[int]:

@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 def _peft(arch="llama", seed=1, **cfg):
     model, tok = make_tiny_model(arch)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=ALL, lora_dropout=0.1, **cfg)
+    config = LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": ALL, "lora_dropout": 0.1, **cfg})
     pm = get_peft_model(model, config).eval()
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -248,11 +248,12 @@ def _close(ours, reference) -> bool:
     return max(abs(a - b) for a, b in zip(ours, reference)) < LP_TOL
 
 
-def _saved(tmp_path, name: str, seed: int):
-    """(directory of a saved adapter, PEFT's model loaded from it over a fresh base)."""
+def _saved(tmp_path, name: str, seed: int, **cfg):
+    """(directory of a saved adapter, PEFT's model loaded from it over a fresh base); `cfg`
+    overrides the LoraConfig."""
     from peft import PeftModel
 
-    donor, _ = _peft(seed=seed)
+    donor, _ = _peft(seed=seed, **cfg)
     path = str(tmp_path / name)
     save_lora(donor, path)
     return path, PeftModel.from_pretrained(make_tiny_model("llama")[0], path).eval()
@@ -319,3 +320,44 @@ def test_base_model_rows_beside_live_rows():
     base_row = BaseModelRequest()
     got = _gen(llm, [PROMPTS[0], PROMPTS[0], PROMPTS[1]], lora_request=[base_row, None, base_row])
     assert got == [base[0], live[0], base[1]]
+
+
+def test_adapter_slots_load_evict_reload_and_fall_back_match_peft(tmp_path, hf_greedy):
+    """Decode reads LoRARequest adapters from the adapter table's slots. With two slots: A and B
+    fill them; C (rank 8, another scaling, two targets only) grows the rank (a rebuild) and
+    evicts one; A comes back into a slot C's neighbour held (its columns rewritten in place,
+    none of the previous adapter's left); three adapters in one step do not fit and take the
+    per-adapter path. Every row equals PEFT's own model of its adapter."""
+    path_a, model_a = _saved(tmp_path, "A", seed=3)
+    path_b, model_b = _saved(tmp_path, "B", seed=11)
+    path_c, model_c = _saved(tmp_path, "C", seed=5, r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"])
+    live, tok = _peft(seed=9)
+    llm = LLM(live, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=64, max_loras=2)
+    table = llm.llm_engine.runner.adapter_table
+    a, b, c = LoRARequest("A", 1, path_a), LoRARequest("B", 2, path_b), LoRARequest("C", 3, path_c)
+    models = {None: live, a: model_a, b: model_b, c: model_c}
+
+    def check(requests):
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(requests))]
+        want = [hf_greedy(models[r], p, 8).tokens for p, r in zip(prompts, requests)]
+        assert _gen(llm, prompts, lora_request=list(requests)) == want
+
+    check([a, b, None])
+    assert [x.name for x in table.held] == ["A", "B"] and table.rank == 4
+    check([c, c])
+    assert sorted(x.name for x in table.held) == ["B", "C"] and table.rank == 8
+    generation, stacks = table.generation, dict(table.stacks)
+    check([a, c, None])
+    assert sorted(x.name for x in table.held) == ["A", "C"]
+    assert table.generation == generation and all(table.stacks[k] is v for k, v in stacks.items())
+    check([a, b, c, None])                          # three adapters, two slots: per-adapter path
+    assert sorted(x.name for x in table.held) == ["A", "C"]
+    llm.remove_lora(3)
+    check([b, a])
+    assert sorted(x.name for x in table.held) == ["A", "B"]
+
+
+def test_max_loras_is_checked():
+    live, tok = _peft(seed=9)
+    with pytest.raises(ValueError, match="max_loras"):
+        LLM(live, tokenizer=tok, max_model_len=128, max_loras=0)

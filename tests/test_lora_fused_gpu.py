@@ -145,3 +145,60 @@ def test_bf16_live_lora_with_graphs_tracks_peft_forward(rank):
         assert err.mean() < 0.25 * effect.mean(), (batch, err.mean(), effect.mean())
         assert err.mean() < 0.05 and err.max() < 0.5, (batch, err.mean(), err.max())
     assert llm.llm_engine.runner.graphs.graphs, "decode should have replayed a captured graph"
+
+
+def _lora_tensors(pm) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in pm.named_parameters() if "lora_" in n}
+
+
+def _set_lora_tensors(pm, tensors: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if n in tensors:
+                p.copy_(tensors[n])
+
+
+def test_lora_requests_decode_from_graphs_and_match_peft(tmp_path):
+    """fp32, one call mixing rows of the live adapter, of two saved adapters (LoRARequest by
+    path) and of the base model: decode replays graphs keyed on the adapter table, and each
+    row's tokens equal PEFT's generate with that row's adapter in the live adapter's place
+    (or with adapters disabled)."""
+    from flexrollout import LoRARequest
+    from flexrollout.lora import BaseModelRequest, save_lora
+
+    pm = _peft(torch.float32, 16, seed=1)
+    saved = {}
+    for name, seed in (("A", 2), ("B", 3)):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_" in n:
+                    p.copy_(torch.randn(p.shape, generator=g, device="cuda") * (0.02 if "lora_B" in n else 0.05))
+        save_lora(pm, str(tmp_path / name))
+        saved[name] = _lora_tensors(pm)
+    _set_lora_tensors(pm, saved["A"])
+    live = {n: t.flip(0) for n, t in saved["A"].items()}            # a third adapter, live
+    a, b = LoRARequest("A", 1, str(tmp_path / "A")), LoRARequest("B", 2, str(tmp_path / "B"))
+    base = BaseModelRequest()
+    requests = [None, a, b, base, a, None, b, a, base, None, b, a]
+    prompts = _prompts(len(requests), pm.config.vocab_size, seed=7)
+
+    def peft_greedy(prompt, request):
+        ids = torch.tensor([prompt], device="cuda")
+        _set_lora_tensors(pm, live if request is None else saved.get(getattr(request, "lora_name", None), live))
+        if request is base:
+            with pm.disable_adapter():
+                out = pm.generate(input_ids=ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        else:
+            out = pm.generate(input_ids=ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        return out[0, len(prompt):].tolist()
+
+    want = [peft_greedy(p, r) for p, r in zip(prompts, requests)]
+    assert len({tuple(peft_greedy(prompts[0], r)) for r in (None, a, b, base)}) == 4   # they differ
+    _set_lora_tensors(pm, live)
+    llm = LLM(pm, max_model_len=512, max_num_seqs=16, num_kv_pages=64)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False, lora_request=requests)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    graphs = llm.llm_engine.runner.graphs.graphs
+    assert any(key[2] is not None for key in graphs), "LoRARequest steps should replay a graph"

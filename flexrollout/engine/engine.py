@@ -5,7 +5,7 @@ sampling state is launched before the previous step's tokens are read back, and 
 result is processed while the GPU runs the new step. At most one step is pending. The next step
 assumes every sequence continues; one that stopped (EOS, stop id, stop string) is found a step
 late and its extra token is discarded. Anything that needs the exact host state (a prefill,
-a preemption, multi-token bad words / LoRA rows, the end of `run`) drains the pending step
+a preemption, multi-token bad words, the end of `run`) drains the pending step
 first. Penalties, biases, min_tokens and one-token bad words keep their state on the device,
 per slot (`SlotSampling`), so their rows pipeline like any other.
 """
@@ -113,7 +113,7 @@ class LLMEngine:
         if backend == "auto":
             backend = "flex" if device.type == "cuda" else "reference"
         self.runner = ModelRunner(forward, self.cache, self.pages, device, backend,
-                                  config.flex_kernel_options)
+                                  config.flex_kernel_options, config.max_loras)
         if device.type == "cuda" and not config.enforce_eager and backend == "flex":
             self.runner.graphs = DecodeGraphs(self.runner, config.max_num_seqs)
         self.stats = EngineStats()
@@ -272,9 +272,9 @@ class LLMEngine:
                 and all(self._pipelinable(seq) for seq in sched.decode_candidates()))
 
     def _pipelinable(self, seq: Sequence) -> bool:
-        """Its next step does not need its previous token on the host (see `has_static_sampling`);
-        LoRA rows run eagerly and are kept synchronous too."""
-        return self.config.async_decode and seq.lora is None and has_static_sampling(seq)
+        """Its next step does not need its previous token on the host (see `has_static_sampling`).
+        A LoRARequest row's adapter is fixed for its life, so it pipelines like any other."""
+        return self.config.async_decode and has_static_sampling(seq)
 
     def _drain(self, on_finish) -> None:
         """Process the pending step, if any, so the host state is exact."""

@@ -10,6 +10,9 @@ whose previous token is still pending and scatters its own ids into `runner.slot
 The sampler mode names the logits-processor parts a step applies (`SamplingTensors.processors`,
 read from `runner.slot_sampling` by slot); a batch without them keeps a mode with none, and
 its graph does none of that work. A penalties step also counts its tokens into the slot state.
+Steps with LoRARequest rows have graphs of their own, keyed on the adapter table's generation:
+each row's slot is an input like its position, so any mix of adapters replays the same graph;
+a table rebuild (new stacks) drops the graphs that read the old ones.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import weakref
 
 import torch
 
+from ..lora.table import TableBatch
 from .sampler import SamplerOutput, SamplingTensors, float_bits
 
 logger = logging.getLogger(__name__)
@@ -36,7 +40,7 @@ class DecodeGraphs:
     # (float32 rows bit-cast, after the int64 rows), so a step needs a single host-to-device copy.
     _VARS = (("input_ids", torch.long), ("from_device", torch.long), ("positions", torch.long),
              ("slot_mapping", torch.long), ("slots", torch.long), ("seeds", torch.long),
-             ("counters", torch.long),
+             ("counters", torch.long), ("lora_slots", torch.long),
              ("top_k", torch.long), ("temperature", torch.float32), ("top_p", torch.float32),
              ("min_p", torch.float32))
 
@@ -72,6 +76,11 @@ class DecodeGraphs:
         self.graphs.clear()
         self.pool = None
 
+    def _drop_stale_lora_graphs(self, generation: int) -> None:
+        """Graphs captured over an older adapter table read stacks that no longer exist."""
+        for key in [k for k in self.graphs if k[2] is not None and k[2] != generation]:
+            del self.graphs[key]
+
     def can_run(self, batch: int, st: SamplingTensors) -> bool:
         """Steps with host-built bans (multi-token bad words) run eagerly: they change each step."""
         return batch <= self.buckets[-1] and st.bans is None
@@ -84,7 +93,8 @@ class DecodeGraphs:
         tensors, one pinned staging buffer, one host-to-device copy."""
         staging = self._free_staging()
         staging[:, batch:bucket].zero_()
-        int_rows = [inputs[n] if n in inputs else getattr(st, n) for n, d in self._VARS if d == torch.long]
+        rows = {"lora_slots": [0] * batch, **inputs}        # without LoRARequests: live rows
+        int_rows = [rows[n] if n in rows else getattr(st, n) for n, d in self._VARS if d == torch.long]
         staging[:self._num_int, :batch] = torch.stack([torch.as_tensor(r, dtype=torch.long) for r in int_rows])
         floats = torch.stack([getattr(st, n) for n, d in self._VARS if d == torch.float32])
         # Bit patterns in the low half of each int64 cell (little-endian), read by graph_vars' views.
@@ -105,7 +115,8 @@ class DecodeGraphs:
             copied.synchronize()
         return self.staging[self._turn]
 
-    def _step(self, bucket: int, mode: tuple[bool, bool, int, tuple[str, ...]]) -> SamplerOutput:
+    def _step(self, bucket: int, mode: tuple[bool, bool, int, tuple[str, ...]],
+              table=None) -> SamplerOutput:
         all_greedy, need_truncation, max_logprobs, processors = mode
         gv = {name: t[:bucket] for name, t in self.graph_vars.items()}
         st = SamplingTensors(
@@ -113,10 +124,11 @@ class DecodeGraphs:
             seeds=gv["seeds"], counters=gv["counters"], bans=None,
             need_truncation=need_truncation, all_greedy=all_greedy, max_logprobs=max_logprobs,
             slots=gv["slots"], processors=processors, slot_state=self.runner.slot_sampling)
+        lora = None if table is None else TableBatch(table, gv["lora_slots"])
         return self.runner.decode_step(gv["input_ids"], gv["from_device"], gv["positions"],
-                                       gv["slot_mapping"], gv["slots"], st)
+                                       gv["slot_mapping"], gv["slots"], st, lora)
 
-    def _capture(self, bucket: int, mode: tuple) -> tuple[torch.cuda.CUDAGraph, SamplerOutput]:
+    def _capture(self, bucket: int, mode: tuple, table=None) -> tuple[torch.cuda.CUDAGraph, SamplerOutput]:
         start = time.perf_counter()
         stream = self.capture_stream
         stream.wait_stream(torch.cuda.current_stream())
@@ -127,7 +139,7 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             saved = slot_tokens.clone()
             for _ in range(2):                   # compile kernels and settle allocations first
-                out = self._step(bucket, mode)
+                out = self._step(bucket, mode, table)
                 slot_tokens.copy_(saved)
                 if counting:
                     self.runner.slot_sampling.count(self.graph_vars["slots"][:bucket], out.token_ids, -1.0)
@@ -142,21 +154,26 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            out = self._step(bucket, mode)
+            out = self._step(bucket, mode, table)
         torch._C._cuda_clearCublasWorkspaces()
         elapsed = time.perf_counter() - start
         self.capture_seconds += elapsed
         logger.info("captured decode graph for batch %d, mode %s in %.2f s", bucket, mode, elapsed)
         return graph, out
 
-    def run(self, inputs: dict[str, list[int]], st: SamplingTensors) -> SamplerOutput:
+    def run(self, inputs: dict[str, list[int]], st: SamplingTensors, table=None) -> SamplerOutput:
+        """Replay (capturing first if new) the graph of this step's bucket and mode; `table`:
+        the adapter table when rows carry LoRARequests (`inputs["lora_slots"]`)."""
         batch = len(inputs["input_ids"])
         bucket = self._bucket(batch)
         mode = (st.all_greedy, st.need_truncation, st.max_logprobs, st.processors)
         self._fill(inputs, st, batch, bucket)
-        key = (bucket, mode)
+        generation = None if table is None else table.generation
+        if generation is not None:
+            self._drop_stale_lora_graphs(generation)
+        key = (bucket, mode, generation)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(bucket, mode)   # the step only reads graph_vars
+            self.graphs[key] = self._capture(bucket, mode, table)   # the step only reads graph_vars
         graph, out = self.graphs[key]
         graph.replay()
         return SamplerOutput(*(None if t is None else t[:batch] for t in

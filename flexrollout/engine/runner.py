@@ -16,6 +16,7 @@ from ..attention.flex import AttentionMetadata
 from ..attention.kv_cache import KVCache
 from ..attention.masks import decode_block_mask, prefill_block_mask, prefill_page_lists
 from ..lora.batch import LoraBatch
+from ..lora.table import AdapterTable, TableBatch
 from .page_table import PageTable
 from .sampler import (
     SamplerOutput,
@@ -29,7 +30,7 @@ from .sequence import Sequence
 
 class ModelRunner:
     def __init__(self, forward, cache: KVCache, pages: PageTable, device: torch.device,
-                 backend: str, kernel_options: dict | None = None) -> None:
+                 backend: str, kernel_options: dict | None = None, max_loras: int = 1) -> None:
         self.backend = backend
         self.kernel_options = dict(kernel_options or {})
         self.forward = forward
@@ -45,6 +46,8 @@ class ModelRunner:
         self.slot_tokens = torch.zeros(pages.max_slots + 1, dtype=torch.long, device=device)
         # Logits processors' per-slot state (penalty counts, bias rows, ...), allocated on demand.
         self.slot_sampling = SlotSampling(pages.max_slots + 1, forward.spec.vocab_size, device)
+        # LoRARequest adapters of decode steps, in slots the graphs read (empty until one is used).
+        self.adapter_table = AdapterTable(max_loras, device, cache.dtype)
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -124,13 +127,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], st: SamplingTensors) -> SamplerOutput:
-        """One token for every sequence; replayed from a CUDA graph when one fits."""
+        """One token for every sequence; replayed from a CUDA graph when one fits. LoRARequest
+        rows read the adapter table (graphs too) unless the step does not fit in it."""
         self.pages.flush()
         inputs = self.decode_inputs(seqs)
-        lora = LoraBatch.build([seq.lora for seq in seqs], self.device)
-        if self.graphs is not None and lora is None and self.graphs.can_run(len(seqs), st):
-            return self.graphs.run(inputs, st)
+        adapters = [seq.lora for seq in seqs]
+        lora_slots = self.adapter_table.row_slots(adapters) if any(adapters) else None
+        if lora_slots is not None:
+            inputs["lora_slots"] = lora_slots
+        if self.graphs is not None and (lora_slots is not None or not any(adapters)) \
+                and self.graphs.can_run(len(seqs), st):
+            table = None if lora_slots is None else self.adapter_table
+            return self.graphs.run(inputs, st, table)
         tensors = {name: self._tensor(values) for name, values in inputs.items()}
+        slots = tensors.pop("lora_slots", None)
+        lora = LoraBatch.build(adapters, self.device) if slots is None else TableBatch(self.adapter_table, slots)
         return self.decode_step(**tensors, st=sampling_to_device(st, self.device), lora=lora)
 
     def read_back(self, out: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
