@@ -69,8 +69,8 @@ class EngineConfig:
     max_loras: int = 4
     # Launch decode step t+1 before reading step t's tokens back (they are fed device to device),
     # so host work (scheduling, stop checks, detokenizing) overlaps the GPU. Stops are found a step
-    # late (that extra token is discarded). Prefills, preemptions and steps with multi-token bad
-    # words still run synchronously. False: read every step back first.
+    # late (that extra token is discarded). Prefills and preemptions still run synchronously.
+    # False: read every step back first.
     async_decode: bool = True
     # Share the KV pages of identical prompts inside one generate call (GRPO groups).
     enable_prefix_caching: bool = True

@@ -165,7 +165,7 @@ def _sampling_tensors(batch: int, device: str):
         temperature=torch.ones(batch, device=device), top_k=torch.full((batch,), 10**6, device=device),
         top_p=torch.ones(batch, device=device), min_p=torch.zeros(batch, device=device),
         seeds=torch.arange(batch, device=device) * 7919, counters=torch.full((batch,), 300, device=device),
-        bans=None, need_truncation=False, all_greedy=False, max_logprobs=0)
+        need_truncation=False, all_greedy=False, max_logprobs=0)
 
 
 def test_fused_sampler_matches_eager_and_stays_small():

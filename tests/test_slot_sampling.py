@@ -209,26 +209,39 @@ def test_state_made_under_inference_mode_serves_calls_outside_it(peaky):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_processor_steps_replay_from_graphs_and_match_eager():
-    """Random Qwen3-0.6B in fp32: a mixed batch (penalties + logit_bias + min_tokens rows, plain rows,
-    an n=4 group), more prompts than slots. Decode replays graphs whose mode applies the processors, and
-    the outputs equal an eager engine's (enforce_eager)."""
+    """Random Qwen3-0.6B in fp32: a mixed batch (penalties + logit_bias + min_tokens + multi-token
+    bad-word rows, plain rows, an n=4 group), more prompts than slots. Decode replays graphs whose mode
+    applies the processors, and the outputs equal an eager engine's (enforce_eager). Each processor
+    request's two-token bad word is two tokens its first sample drew without bad words: the ban acts."""
+    from conftest import make_tiny_tokenizer
+
     model = random_model("qwen3-0.6b", torch.float32, "cuda", 2048)
     vocab = model.config.vocab_size
+    tok = make_tiny_tokenizer(vocab)                     # id i <-> word "t{i}", for the bad words
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in (3, 17, 64, 100, 129, 200, 5, 40)]
     processors = dict(repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1,
                       logit_bias={7: 2.0, 11: -1.5, 13: 3.0}, min_tokens=8, stop_token_ids=list(range(2, vocab, 64)))
-    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=3 + i, max_tokens=24, logprobs=1, ignore_eos=True,
-                             n=4 if i == 0 else 1, **(processors if i % 2 == 0 else {}))
-              for i in range(len(prompts))]
-    kwargs = dict(max_model_len=1024, max_num_seqs=8, num_kv_pages=64)
+
+    def params(words):
+        return [SamplingParams(temperature=0.8, top_p=0.95, seed=3 + i, max_tokens=24, logprobs=1, ignore_eos=True,
+                               n=4 if i == 0 else 1, **({**processors, **words[i]} if i % 2 == 0 else {}))
+                for i in range(len(prompts))]
+
+    kwargs = dict(tokenizer=tok, max_model_len=1024, max_num_seqs=8, num_kv_pages=64)
     graphed, eager = LLM(model, **kwargs), LLM(model, enforce_eager=True, **kwargs)
+    plain = eager.generate(prompts, params([{}] * len(prompts)), use_tqdm=False)
+    words = [dict(bad_words=[" ".join(f"t{t}" for t in out.outputs[0].token_ids[2:4]),
+                             " ".join(f"t{t}" for t in out.outputs[0].token_ids[4:7])]) for out in plain]
     before = graphed.llm_engine.stats.overlapped_decode_steps
-    a = graphed.generate(prompts, params, use_tqdm=False)
-    b = eager.generate(prompts, params, use_tqdm=False)
+    a = graphed.generate(prompts, params(words), use_tqdm=False)
+    b = eager.generate(prompts, params(words), use_tqdm=False)
     keys = graphed.llm_engine.runner.graphs.graphs
-    assert any(mode[3] == ("bias", "min_tokens", "penalties") for _, mode in keys), list(keys)
+    assert any(key[1][3] == ("bias", "bad_words", "min_tokens", "penalties") for key in keys), list(keys)
     assert graphed.llm_engine.stats.overlapped_decode_steps > before
+    for i in range(0, len(prompts), 2):
+        banned, ours = plain[i].outputs[0].token_ids, a[i].outputs[0].token_ids
+        assert ours[:3] == banned[:3] and ours[3] != banned[3], i       # the pair's last token, banned
     for x, y in zip(a, b):
         for cx, cy in zip(x.outputs, y.outputs):
             assert list(cx.token_ids) == list(cy.token_ids)
@@ -273,7 +286,9 @@ def _hf_processed(logits: torch.Tensor, seq) -> torch.Tensor:
 def test_processed_logits_at_real_vocab_match_hf_processors():
     """151,936 ids, slots reused between two waves of sequences, five decode steps counted on the
     device: every row's processed logits equal HF's logits processors over the same history, and greedy
-    draws their argmax. Covers rows without processors beside rows with each of them."""
+    draws their argmax. Covers rows without processors beside rows with each of them. The bad-words row
+    is steered into both of its multi-token words (two and three tokens): each word's last token tops
+    the logits right after its prefix was drawn, and is banned from the device-held history."""
     from flexrollout.engine.sampler import SlotSampling, build_sampling_tensors, process_logits, sample
     from flexrollout.engine.sequence import Sequence
 
@@ -288,9 +303,10 @@ def test_processed_logits_at_real_vocab_match_hf_processors():
     @torch.inference_mode()           # as the engine's steps run
     def wave(first_slot: int, seed: int) -> None:
         seqs = []
+        words = [1000 + seed, 2000 + seed, 3000 + seed, 4000 + seed, 5000 + seed]
         for i, opts in enumerate(options):
             prompt = torch.randint(0, vocab, (12,), generator=gen).tolist()
-            bad = [[int(prompt[0])], [int(prompt[1]), int(prompt[2])]] if i == 2 else []
+            bad = [[int(prompt[0])], words[:2], words[2:]] if i == 2 else []
             seqs.append(Sequence(seq_id=i, request_index=i, sample_index=0, token_ids=prompt, num_prompt_tokens=12,
                                  params=SamplingParams(temperature=0.0, max_tokens=8, **opts), max_tokens=8,
                                  seed=seed + i, stop_ids=frozenset({11, 151_935}), bad_words_ids=bad,
@@ -300,8 +316,9 @@ def test_processed_logits_at_real_vocab_match_hf_processors():
             logits = torch.randn(len(seqs), vocab, generator=gen) * 4
             # the second row's stop ids top its distribution: min_tokens holds them back for 3 tokens
             logits[1, [11, 151_935, 7]] = torch.tensor([40.0, 40.0, 30.0])
+            logits[2, words[step]] = 40.0            # a, b (banned after a), c, d, e (banned after c d)
             st = build_sampling_tensors(seqs, vocab, state)
-            processed = process_logits(logits, st.counters, st.bans, *state.step_tensors(st.slots, st.processors))
+            processed = process_logits(logits, st.counters, *state.step_tensors(st.slots, st.processors))
             for row, seq in enumerate(seqs):
                 assert torch.equal(processed[row], _hf_processed(logits[row], seq)), (step, row)
             tokens = sample(logits, st).token_ids.tolist()
@@ -309,6 +326,68 @@ def test_processed_logits_at_real_vocab_match_hf_processors():
             for seq, token in zip(seqs, tokens):
                 seq.token_ids.append(token)
         assert seqs[1].generated_ids[:4] == [7, 7, 7, 151_935]
+        drawn = seqs[2].generated_ids
+        assert drawn[0] == words[0] and drawn[1] != words[1] and drawn[2:4] == words[2:4] and drawn[4] != words[4]
 
     wave(0, 100)
     wave(2, 200)      # every slot reused by a sequence with other options
+
+
+def test_bad_word_state_from_host_history_grows_and_is_not_inherited():
+    """Multi-token bad words at the real vocabulary, held to HF's NoBadWordsLogitsProcessor over the generated
+    tokens only (vLLM's rule: the prompt does not count): a sequence readmitted after a preemption bans from
+    the tokens it generated before; drawn tokens extend the device history; a later sequence with more and
+    longer words grows the state without changing the others' bans; a plain sequence in a slot that held
+    words applies nothing."""
+    from transformers.generation.logits_process import NoBadWordsLogitsProcessor
+
+    from flexrollout.engine.sampler import SlotSampling, build_sampling_tensors, process_logits, sample
+    from flexrollout.engine.sequence import Sequence
+
+    vocab, gen = 151_936, torch.Generator().manual_seed(1)
+    state = SlotSampling(4, vocab, torch.device("cpu"))
+
+    def seq(slot: int, prompt_end: int, generated: list[int], words: list[list[int]]) -> Sequence:
+        return Sequence(seq_id=slot, request_index=slot, sample_index=0, token_ids=[3, 4, prompt_end] + generated,
+                        num_prompt_tokens=3, params=SamplingParams(temperature=0.0, max_tokens=50), max_tokens=50,
+                        seed=slot, stop_ids=frozenset(), bad_words_ids=words, slot=slot)
+
+    def hf(logits_row: torch.Tensor, s: Sequence) -> torch.Tensor:
+        if not s.bad_words_ids:
+            return logits_row
+        ids = torch.tensor([[-1] + s.generated_ids])         # -1: a placeholder no word starts with
+        return NoBadWordsLogitsProcessor(s.bad_words_ids)(ids, logits_row[None].clone())[0]
+
+    @torch.inference_mode()
+    def step(seqs: list[Sequence], forced: list[int]) -> list[torch.Tensor]:
+        logits = torch.randn(len(seqs), vocab, generator=gen)
+        logits[range(len(seqs)), forced] = 50.0
+        st = build_sampling_tensors(seqs, vocab, state)
+        processed = process_logits(logits, st.counters, *state.step_tensors(st.slots, st.processors))
+        for row, s in enumerate(seqs):
+            assert torch.equal(processed[row], hf(logits[row], s)), (s.slot, s.generated_ids)
+        for s, token in zip(seqs, sample(logits, st).token_ids.tolist()):
+            s.token_ids.append(token)
+        return processed
+
+    # a: readmitted with 20 21 generated, so 22 is banned at once; b: its prompt ends in 10, which must not ban 11
+    a = seq(1, 9, [5, 20, 21], [[10, 11], [20, 21, 22]])
+    b = seq(2, 10, [], [[10, 11], [30, 31]])
+    with torch.inference_mode():
+        state.admit([a, b])
+    first = step([a, b], forced=[22, 11])
+    assert first[0, 22] == float("-inf") and first[1, 11] == 50.0 and b.generated_ids == [11]
+    step([a, b], forced=[10, 30])                            # a draws 10, b 30: 11 and 31 banned next
+    version = state.bad_words_version
+    c = seq(3, 7, [], [[40 + i, 41 + i, 42, 43, 44, 45] for i in range(5)])
+    with torch.inference_mode():
+        state.admit([c])
+    assert state.bad_words_version > version and state.bad_prefixes.shape[1:] == (8, 8)
+    third = step([a, b, c], forced=[20, 31, 40])
+    assert third[0, 11] == third[1, 31] == float("-inf")
+    step([a, b, c], forced=[21, 8, 41])                      # a's next step would ban 22
+    d = seq(1, 11, [], [])                                   # plain, in a's slot
+    with torch.inference_mode():
+        state.admit([d])
+    step([d, b, c], forced=[22, 8, 42])
+    assert d.generated_ids == [22]

@@ -32,7 +32,6 @@ from .sampler import (
     SamplerOutput,
     SlotSampling,
     build_sampling_tensors,
-    has_static_sampling,
     sampling_to_device,
 )
 from .scheduler import Scheduler
@@ -266,15 +265,11 @@ class LLMEngine:
     # -- async decode ------------------------------------------------------------------------
     def _can_overlap(self) -> bool:
         """The next step can be scheduled and built while the pending tokens are unknown: it is
-        a decode step without preemption whose every row can be pipelined."""
+        a decode step without preemption. (No row's step needs its previous token on the host:
+        the processors' state lives on the device, and a LoRARequest row's adapter is fixed.)"""
         sched = self.scheduler
-        return (not sched.prefill_ready() and not sched.admission_after_drain() and sched.decode_fits()
-                and all(self._pipelinable(seq) for seq in sched.decode_candidates()))
-
-    def _pipelinable(self, seq: Sequence) -> bool:
-        """Its next step does not need its previous token on the host (see `has_static_sampling`).
-        A LoRARequest row's adapter is fixed for its life, so it pipelines like any other."""
-        return self.config.async_decode and has_static_sampling(seq)
+        return (self.config.async_decode and not sched.prefill_ready()
+                and not sched.admission_after_drain() and sched.decode_fits())
 
     def _drain(self, on_finish) -> None:
         """Process the pending step, if any, so the host state is exact."""
@@ -338,7 +333,7 @@ class LLMEngine:
         self.stats.decode_steps += 1
         for seq in seqs:
             seq.num_computed = seq.num_tokens_with_pending
-        if not all(self._pipelinable(seq) for seq in seqs):
+        if not self.config.async_decode:
             self._append(seqs, out, on_finish)      # synchronous (nothing is pending here)
             return
         launched = PendingDecode(seqs, *self.runner.read_back(out))

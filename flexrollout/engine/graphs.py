@@ -9,10 +9,12 @@ The captured step is `ModelRunner.decode_step`: it also picks device-side input 
 whose previous token is still pending and scatters its own ids into `runner.slot_tokens`.
 The sampler mode names the logits-processor parts a step applies (`SamplingTensors.processors`,
 read from `runner.slot_sampling` by slot); a batch without them keeps a mode with none, and
-its graph does none of that work. A penalties step also counts its tokens into the slot state.
-Steps with LoRARequest rows have graphs of their own, keyed on the adapter table's generation:
-each row's slot is an input like its position, so any mix of adapters replays the same graph;
-a table rebuild (new stacks) drops the graphs that read the old ones.
+its graph does none of that work. Such a step also records its tokens in the slot state
+(penalty counts, bad-word histories).
+Steps with LoRARequest rows have graphs of their own: each row's adapter slot is an input like
+its position, so any mix of adapters replays the same graph. Graphs are keyed on the versions
+of the tensors they read that can be replaced (the adapter table's stacks, the bad-word state,
+both replaced when they grow); graphs over replaced tensors are dropped.
 """
 from __future__ import annotations
 
@@ -76,14 +78,19 @@ class DecodeGraphs:
         self.graphs.clear()
         self.pool = None
 
-    def _drop_stale_lora_graphs(self, generation: int) -> None:
-        """Graphs captured over an older adapter table read stacks that no longer exist."""
-        for key in [k for k in self.graphs if k[2] is not None and k[2] != generation]:
+    def _versions(self, st: SamplingTensors, table) -> tuple[int | None, int | None]:
+        """Versions of the replaceable tensors a step reads (None: it reads none of them)."""
+        return (None if table is None else table.generation,
+                self.runner.slot_sampling.bad_words_version if "bad_words" in st.processors else None)
+
+    def _drop_stale(self, versions: tuple) -> None:
+        """Graphs captured over tensors since replaced read memory that is no longer theirs."""
+        for key in [k for k in self.graphs
+                    if any(None not in (old, new) and old != new for old, new in zip(k[2], versions))]:
             del self.graphs[key]
 
-    def can_run(self, batch: int, st: SamplingTensors) -> bool:
-        """Steps with host-built bans (multi-token bad words) run eagerly: they change each step."""
-        return batch <= self.buckets[-1] and st.bans is None
+    def can_run(self, batch: int) -> bool:
+        return batch <= self.buckets[-1]
 
     def _bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
@@ -121,7 +128,7 @@ class DecodeGraphs:
         gv = {name: t[:bucket] for name, t in self.graph_vars.items()}
         st = SamplingTensors(
             temperature=gv["temperature"], top_k=gv["top_k"], top_p=gv["top_p"], min_p=gv["min_p"],
-            seeds=gv["seeds"], counters=gv["counters"], bans=None,
+            seeds=gv["seeds"], counters=gv["counters"],
             need_truncation=need_truncation, all_greedy=all_greedy, max_logprobs=max_logprobs,
             slots=gv["slots"], processors=processors, slot_state=self.runner.slot_sampling)
         lora = None if table is None else TableBatch(table, gv["lora_slots"])
@@ -132,17 +139,16 @@ class DecodeGraphs:
         start = time.perf_counter()
         stream = self.capture_stream
         stream.wait_stream(torch.cuda.current_stream())
-        # Warm-up steps scatter their ids into slot_tokens (and, with penalties, count them into
-        # the slots' counts); the real step (the first replay) must still read the pending ids of
-        # the previous step and the counts so far, so each warm-up is undone.
-        slot_tokens, counting = self.runner.slot_tokens, "penalties" in mode[3]
+        # Warm-up steps scatter their ids into slot_tokens (and record them in the processors'
+        # slot state); the real step (the first replay) must still read the pending ids of the
+        # previous step and the state so far, so each warm-up is undone.
+        slot_tokens, state, processors = self.runner.slot_tokens, self.runner.slot_sampling, mode[3]
         with torch.cuda.stream(stream):
-            saved = slot_tokens.clone()
+            saved, history = slot_tokens.clone(), state.snapshot(processors)
             for _ in range(2):                   # compile kernels and settle allocations first
                 out = self._step(bucket, mode, table)
                 slot_tokens.copy_(saved)
-                if counting:
-                    self.runner.slot_sampling.count(self.graph_vars["slots"][:bucket], out.token_ids, -1.0)
+                state.undo(self.graph_vars["slots"][:bucket], out.token_ids, processors, history)
         torch.cuda.current_stream().wait_stream(stream)
         # cuBLAS keeps one workspace per (handle, stream) until cleared. Cleared before, the
         # capture takes its own from the graph pool: reusing the warm-up's eager one would leave
@@ -168,10 +174,9 @@ class DecodeGraphs:
         bucket = self._bucket(batch)
         mode = (st.all_greedy, st.need_truncation, st.max_logprobs, st.processors)
         self._fill(inputs, st, batch, bucket)
-        generation = None if table is None else table.generation
-        if generation is not None:
-            self._drop_stale_lora_graphs(generation)
-        key = (bucket, mode, generation)
+        versions = self._versions(st, table)
+        self._drop_stale(versions)
+        key = (bucket, mode, versions)
         if key not in self.graphs:
             self.graphs[key] = self._capture(bucket, mode, table)   # the step only reads graph_vars
         graph, out = self.graphs[key]

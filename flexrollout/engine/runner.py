@@ -136,7 +136,7 @@ class ModelRunner:
         if lora_slots is not None:
             inputs["lora_slots"] = lora_slots
         if self.graphs is not None and (lora_slots is not None or not any(adapters)) \
-                and self.graphs.can_run(len(seqs), st):
+                and self.graphs.can_run(len(seqs)):
             table = None if lora_slots is None else self.adapter_table
             return self.graphs.run(inputs, st, table)
         tensors = {name: self._tensor(values) for name, values in inputs.items()}

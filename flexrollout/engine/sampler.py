@@ -13,11 +13,10 @@ in here needs a host sync or a data-dependent shape, so it can live inside a CUD
 
 The logits processors' state lives on the device, one row per batch slot (`SlotSampling`), and
 is indexed by each row's slot: static bias rows (allowed_token_ids, logit_bias, one-token bad
-words), the min_tokens stop ban, and the penalties' counts and prompt mask, which the step itself
-increments with the token it draws. So a step that applies them needs nothing from the host but
-its slots, and replays from a CUDA graph. Multi-token bad words depend on the last generated
-tokens: their bans are still built on the host each step (`SamplingTensors.bans`), and such steps
-run eagerly and synchronously.
+words), multi-token bad words with each slot's last generated tokens, the min_tokens stop ban,
+and the penalties' counts and prompt mask. The step itself appends the token it draws to its
+slot's history and counts. So a step that applies them needs nothing from the host but its
+slots, replays from a CUDA graph, and can be queued before the previous token is read back.
 """
 from __future__ import annotations
 
@@ -93,7 +92,6 @@ class SamplingTensors:
     min_p: torch.Tensor              # (B,) float
     seeds: torch.Tensor              # (B,) int64
     counters: torch.Tensor           # (B,) int64: position of the token being drawn
-    bans: torch.Tensor | None        # (B, V) -inf bans of multi-token bad words, or None
     need_truncation: bool            # any row uses top-k / top-p / min-p
     all_greedy: bool
     max_logprobs: int                # largest `logprobs` k in the batch; -1 when none asked
@@ -177,10 +175,10 @@ def _fused(fn):
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     """logits: (B, V) fp32 -> sampled ids (and logprobs when asked). A step with processors also
-    counts its drawn tokens into their slots' penalty counts."""
+    records its drawn tokens in their slots' state (penalty counts, bad-word histories)."""
     fused = _fused if logits.is_cuda else (lambda fn: fn)
-    if st.processors or st.bans is not None:
-        logits = fused(process_logits)(logits, st.counters, st.bans, *_slot_args(st))
+    if st.processors:
+        logits = fused(process_logits)(logits, st.counters, *st.slot_state.step_tensors(st.slots, st.processors))
     greedy = st.temperature == 0
     temperature = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
     logits = logits / temperature[:, None]
@@ -196,30 +194,24 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         if st.max_logprobs > 0:
             top_logits, top_ids = logits.topk(st.max_logprobs, dim=-1)
             top_lp = top_logits - lse[:, None]
-    if "penalties" in st.processors:
-        st.slot_state.count(st.slots, token_ids)
+    if st.processors:
+        st.slot_state.record(st.slots, token_ids, st.processors)
     return SamplerOutput(token_ids, lp, ranks, top_ids, top_lp)
 
 
-def _slot_args(st: SamplingTensors) -> tuple:
-    """`process_logits`' per-slot arguments: all None when the step applies no part."""
-    if not st.processors:
-        return (st.slots,) + (None,) * 6
-    return st.slot_state.step_tensors(st.slots, st.processors)
-
-
-def process_logits(logits: torch.Tensor, counters: torch.Tensor, bans: torch.Tensor | None,
-                   slots: torch.Tensor, bias: torch.Tensor | None, stop_mask: torch.Tensor | None,
-                   min_end: torch.Tensor | None, penalty_params: torch.Tensor | None,
-                   counts: torch.Tensor | None, prompt_mask: torch.Tensor | None) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, counters: torch.Tensor,
+                   slots: torch.Tensor, bias: torch.Tensor | None, bad_words: tuple | None,
+                   stop_mask: torch.Tensor | None, min_end: torch.Tensor | None,
+                   penalty_params: torch.Tensor | None, counts: torch.Tensor | None,
+                   prompt_mask: torch.Tensor | None) -> torch.Tensor:
     """The logits processors in the module's order, over per-slot state gathered by `slots`
-    (a part that is None is skipped): the static bias row, the host-built bans, min_tokens' stop
-    ids while fewer than min_tokens are generated, then the penalties. On CUDA this is compiled:
-    the gathers fold into one pass instead of a dozen (B, V) temporaries."""
+    (a part that is None is skipped): the static bias row, multi-token bad words, min_tokens'
+    stop ids while fewer than min_tokens are generated, then the penalties. On CUDA this is
+    compiled: the gathers fold into one pass instead of a dozen (B, V) temporaries."""
     if bias is not None:
         logits = logits + bias[slots]
-    if bans is not None:
-        logits = logits + bans
+    if bad_words is not None:
+        logits = ban_bad_words(logits, slots, *bad_words)
     if stop_mask is not None:
         holding = counters < min_end[slots]
         logits = logits.masked_fill(stop_mask[slots] & holding[:, None], float("-inf"))
@@ -229,8 +221,24 @@ def process_logits(logits: torch.Tensor, counters: torch.Tensor, bans: torch.Ten
     return logits
 
 
+WILDCARD = -1      # a bad word's prefix padding: matches any history token
+HOLE = -2          # a history position before the first generated token: matches no prefix token
+
+
+def ban_bad_words(logits: torch.Tensor, slots: torch.Tensor, prefixes: torch.Tensor,
+                  last_tokens: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+    """vLLM's rule for multi-token bad words: a word's last token is banned when its other tokens
+    end the generated output. `prefixes` (slots, W, L): each word but its last token,
+    right-aligned and WILDCARD-padded; `last_tokens` (slots, W), -1 for no word; `history`
+    (slots, L): the slot's last L generated tokens, right-aligned, HOLE before the first."""
+    prefix, last = prefixes[slots], last_tokens[slots]                      # (B, W, L), (B, W)
+    ends_output = ((prefix == history[slots][:, None, :]) | (prefix == WILDCARD)).all(-1)
+    ban = torch.where(ends_output & (last >= 0), float("-inf"), 0.0)
+    return logits.scatter_add(1, last.clamp(min=0), ban)
+
+
 # The parts of the per-slot state, each allocated when a request first needs it.
-SLOT_PARTS = ("bias", "min_tokens", "penalties")
+SLOT_PARTS = ("bias", "bad_words", "min_tokens", "penalties")
 
 
 def slot_parts(seq) -> tuple[str, ...]:
@@ -238,6 +246,7 @@ def slot_parts(seq) -> tuple[str, ...]:
     p = seq.params
     wanted = {
         "bias": bool(p.allowed_token_ids or p.logit_bias or seq.one_token_bad_words),
+        "bad_words": bool(seq.multi_token_bad_words),
         "min_tokens": p.min_tokens > 0 and bool(seq.stop_ids),
         "penalties": (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
                       or p.presence_penalty != 0.0),
@@ -263,20 +272,27 @@ class SlotSampling:
     padding rows read and write slot 0, which no sequence holds.
 
     Each part is allocated when a request first needs it (10 bytes per slot and vocab entry for
-    all three: 390 MB at 257 slots x 152k) and dropped on sleep with the KV cache.
+    all of them: 390 MB at 257 slots x 152k; the bad words take a few KB per slot) and dropped
+    on sleep with the KV cache. The bad-word tensors grow when a request has more or longer
+    words than they hold; `bad_words_version` counts their replacements (graphs read them).
     """
 
     def __init__(self, num_slots: int, vocab: int, device: torch.device) -> None:
         self.num_slots, self.vocab, self.device = num_slots, vocab, device
+        self.bad_words_version = 0
         self.release()
 
     @staticmethod
     def max_bytes(num_slots: int, vocab: int) -> int:
-        """Every part allocated: bias and counts fp32, two bool masks, per-slot scalars."""
+        """Every part allocated: bias and counts fp32, two bool masks, per-slot scalars (the bad
+        words' few KB per slot are left out)."""
         return num_slots * (vocab * (4 + 4 + 1 + 1) + 3 * 4 + 8)
 
     def release(self) -> None:
         self.bias: torch.Tensor | None = None           # (slots, V) additive, -inf bans
+        self.bad_prefixes: torch.Tensor | None = None   # (slots, W, L) words but their last token
+        self.bad_last: torch.Tensor | None = None       # (slots, W) their last tokens, -1: none
+        self.history: torch.Tensor | None = None        # (slots, L) last generated tokens
         self.stop_mask: torch.Tensor | None = None      # (slots, V) stop ids held back by min_tokens
         self.min_end: torch.Tensor | None = None        # (slots,) position before which they are
         self.penalty_params: torch.Tensor | None = None  # (3, slots): repetition, frequency, presence
@@ -284,7 +300,8 @@ class SlotSampling:
         self.prompt_mask: torch.Tensor | None = None    # (slots, V) prompt tokens
 
     def allocated(self, part: str) -> bool:
-        return {"bias": self.bias, "min_tokens": self.stop_mask, "penalties": self.counts}[part] is not None
+        return {"bias": self.bias, "bad_words": self.bad_last, "min_tokens": self.stop_mask,
+                "penalties": self.counts}[part] is not None
 
     def _allocate(self, part: str) -> None:
         shape, kw = (self.num_slots, self.vocab), {"device": self.device}
@@ -311,11 +328,15 @@ class SlotSampling:
         mode, like the steps that update them: tensors made under it may only change under it,
         whatever mode the caller of `generate` is in.)"""
         for part in SLOT_PARTS:
-            if not self.allocated(part) and any(part in slot_parts(seq) for seq in seqs):
+            if part == "bad_words":
+                self._fit_bad_words(seqs)                   # allocates, or grows to fit
+            elif not self.allocated(part) and any(part in slot_parts(seq) for seq in seqs):
                 self._allocate(part)
         slots = self._ids([seq.slot for seq in seqs])
         if self.bias is not None:
             self._admit_bias(seqs, slots)
+        if self.bad_last is not None:
+            self._admit_bad_words(seqs, slots)
         if self.stop_mask is not None:
             self._admit_min_tokens(seqs, slots)
         if self.counts is not None:
@@ -347,6 +368,53 @@ class SlotSampling:
             self._put(self.bias, list(cells), list(values), accumulate=True)
         self._put(self.bias, [(seq.slot, t) for seq in seqs for t in seq.one_token_bad_words], float("-inf"))
 
+    def _fit_bad_words(self, seqs) -> None:
+        """Make the bad-word tensors hold `seqs`' words: grown to powers of two, old rows kept
+        right-aligned (a grown history's new left columns are HOLE, and the old rows' prefixes
+        are WILDCARD there, so their matches do not change)."""
+        words = length = 0
+        for seq in seqs:
+            multi = seq.multi_token_bad_words
+            words = max(words, len(multi))
+            length = max([length] + [len(w) - 1 for w in multi])
+        if words == 0:
+            return
+        held_words, held_length = (0, 0) if self.bad_last is None else self.bad_prefixes.shape[1:]
+        if words <= held_words and length <= held_length:
+            return
+        words = max(held_words, 1 << (words - 1).bit_length(), 4)
+        length = max(held_length, 1 << (length - 1).bit_length(), 4)
+        kw = {"dtype": torch.long, "device": self.device}
+        prefixes = torch.full((self.num_slots, words, length), WILDCARD, **kw)
+        last = torch.full((self.num_slots, words), -1, **kw)
+        history = torch.full((self.num_slots, length), HOLE, **kw)
+        if self.bad_last is not None:
+            prefixes[:, :held_words, length - held_length:] = self.bad_prefixes
+            last[:, :held_words] = self.bad_last
+            history[:, length - held_length:] = self.history
+        self.bad_prefixes, self.bad_last, self.history = prefixes, last, history
+        self.bad_words_version += 1
+        logger.info("logits-processor state 'bad_words': %d words of up to %d + 1 tokens per slot",
+                    words, length)
+
+    def _admit_bad_words(self, seqs, slots: torch.Tensor) -> None:
+        """Each row's words right-aligned, and its last generated tokens (exact on the host now,
+        after a preemption too): rows without words get none, so a reused slot bans nothing."""
+        words, length = self.bad_prefixes.shape[1:]
+        prefixes = torch.full((len(seqs), words, length), WILDCARD, dtype=torch.long)
+        last = torch.full((len(seqs), words), -1, dtype=torch.long)
+        history = torch.full((len(seqs), length), HOLE, dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            for w, word in enumerate(seq.multi_token_bad_words):
+                prefixes[row, w, length - len(word) + 1:] = torch.tensor(word[:-1])
+                last[row, w] = word[-1]
+            tail = seq.generated_ids[-length:]
+            if tail:
+                history[row, length - len(tail):] = torch.tensor(tail)
+        self.bad_prefixes.index_copy_(0, slots, prefixes.to(self.device))
+        self.bad_last.index_copy_(0, slots, last.to(self.device))
+        self.history.index_copy_(0, slots, history.to(self.device))
+
     def _admit_min_tokens(self, seqs, slots: torch.Tensor) -> None:
         self.stop_mask.index_fill_(0, slots, False)
         held = ["min_tokens" in slot_parts(seq) for seq in seqs]
@@ -365,39 +433,40 @@ class SlotSampling:
         self.penalty_params.index_copy_(1, slots, params.T.contiguous().to(self.device))
 
     def step_tensors(self, slots: torch.Tensor, parts: tuple[str, ...]) -> tuple:
-        """`process_logits`' state arguments for a step applying `parts`."""
-        use_bias, use_min, use_pen = (part in parts for part in SLOT_PARTS)
+        """`process_logits`' state arguments for a step applying `parts` (None: not applied)."""
+        use_bias, use_bad, use_min, use_pen = (part in parts for part in SLOT_PARTS)
         return (slots, self.bias if use_bias else None,
+                (self.bad_prefixes, self.bad_last, self.history) if use_bad else None,
                 self.stop_mask if use_min else None, self.min_end if use_min else None,
                 self.penalty_params if use_pen else None, self.counts if use_pen else None,
                 self.prompt_mask if use_pen else None)
+
+    def record(self, slots: torch.Tensor, token_ids: torch.Tensor, parts: tuple[str, ...]) -> None:
+        """What a step applying `parts` writes after drawing `token_ids`: the penalty counts and
+        the bad-word histories of its rows' slots. Capturable (padding rows write slot 0)."""
+        if "penalties" in parts:
+            self.count(slots, token_ids)
+        if "bad_words" in parts:
+            self.history[slots] = torch.cat([self.history[slots, 1:], token_ids[:, None]], dim=1)
+
+    def snapshot(self, parts: tuple[str, ...]) -> torch.Tensor | None:
+        """Before a graph warm-up step: the histories (the state `undo` cannot subtract)."""
+        return self.history.clone() if "bad_words" in parts else None
+
+    def undo(self, slots: torch.Tensor, token_ids: torch.Tensor, parts: tuple[str, ...],
+             history: torch.Tensor | None) -> None:
+        """Take back a warm-up step's `record`: its counts, and the histories as `snapshot` saw
+        them, so the real step (the graph's first replay) reads the state it would have read."""
+        if "penalties" in parts:
+            self.count(slots, token_ids, -1.0)
+        if history is not None:
+            self.history.copy_(history)
 
     def count(self, slots: torch.Tensor, token_ids: torch.Tensor, step: float = 1.0) -> None:
         """Add each drawn token to its slot's counts (`step=-1` takes a graph warm-up's back).
         Atomic adds of integers: exact, in any order, and capturable."""
         flat = slots * self.vocab + token_ids
         self.counts.view(-1).index_add_(0, flat, torch.full(flat.shape, step, device=flat.device))
-
-
-def has_static_sampling(seq) -> bool:
-    """This row's next step can be built before its previous token is read back (and replayed
-    from a CUDA graph): everything but multi-token bad words lives in `SlotSampling` on the
-    device. Multi-token bad words match the last generated tokens on the host (`_bad_word_bans`);
-    matching them on the device would need a per-slot token history -- left for when a user
-    needs bad words at speed."""
-    return not seq.multi_token_bad_words
-
-
-def _bad_word_bans(seqs, vocab: int) -> torch.Tensor | None:
-    """Additive (B, V) -inf bans: last tokens of multi-token bad words whose other tokens end the
-    output so far (vLLM's rule)."""
-    bans = [seq.banned_next_tokens() for seq in seqs]
-    if not any(bans):
-        return None
-    rows = torch.zeros(len(seqs), vocab)
-    for row, banned in enumerate(bans):
-        rows[row, banned] = float("-inf")
-    return rows
 
 
 def build_sampling_tensors(seqs, vocab: int, slot_state: SlotSampling | None = None) -> SamplingTensors:
@@ -420,7 +489,6 @@ def build_sampling_tensors(seqs, vocab: int, slot_state: SlotSampling | None = N
         min_p=torch.tensor(min_p, dtype=torch.float32),
         seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64),
         counters=torch.tensor([s.num_tokens_with_pending for s in seqs], dtype=torch.int64),
-        bans=_bad_word_bans(seqs, vocab),
         need_truncation=need_truncation,
         all_greedy=all(t == 0 for t in temperature),
         max_logprobs=max((vocab if k == -1 else k for k in logprob_ks), default=-1),
@@ -439,8 +507,7 @@ def sampling_to_device(st: SamplingTensors, device: torch.device) -> SamplingTen
         return st
     packed = pack_rows([getattr(st, f) for f in _ROW_FIELDS]).to(device, non_blocking=True)
     moved = {f: unpack_row(packed[i], getattr(st, f).dtype) for i, f in enumerate(_ROW_FIELDS)}
-    bans = None if st.bans is None else st.bans.to(device, non_blocking=True)
-    return SamplingTensors(**moved, bans=bans, need_truncation=st.need_truncation,
+    return SamplingTensors(**moved, need_truncation=st.need_truncation,
                            all_greedy=st.all_greedy, max_logprobs=st.max_logprobs,
                            processors=st.processors, slot_state=st.slot_state)
 

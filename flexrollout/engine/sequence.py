@@ -78,14 +78,3 @@ class Sequence:
     @property
     def multi_token_bad_words(self) -> list[list[int]]:
         return [word for word in self.bad_words_ids if len(word) > 1]
-
-    def banned_next_tokens(self) -> list[int]:
-        """Last tokens of multi-token bad words whose other tokens end the output so far (vLLM's
-        rule); one-token words are banned separately, once per slot."""
-        banned = []
-        generated = self.generated_ids
-        for word in self.multi_token_bad_words:
-            prefix = word[:-1]
-            if len(generated) >= len(prefix) and generated[-len(prefix):] == prefix:
-                banned.append(word[-1])
-        return banned
