@@ -67,6 +67,10 @@ class EngineConfig:
     # the adapter table, `lora/table.py`; vLLM's name). A step mixing more runs eagerly. The
     # table is allocated as adapters are used: r x (in + out) per adapted projection and slot.
     max_loras: int = 4
+    # vLLM's names: with enable_lora, the KV cache leaves room for a full adapter table
+    # (max_loras slots of rank max_lora_rank); an adapter of a larger rank still runs.
+    enable_lora: bool = False
+    max_lora_rank: int = 16
     # Launch decode step t+1 before reading step t's tokens back (they are fed device to device),
     # so host work (scheduling, stop checks, detokenizing) overlaps the GPU. Stops are found a step
     # late (that extra token is discarded). Prefills and preemptions still run synchronously.
@@ -80,7 +84,7 @@ class EngineConfig:
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "small_batch_max_rows", "mlp_chunk_tokens", "max_loras"):
+        for name in ("max_num_seqs", "small_batch_max_rows", "mlp_chunk_tokens", "max_loras", "max_lora_rank"):
             _check_positive_int(name, getattr(self, name))
         rows = self.moe_small_batch_max_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:

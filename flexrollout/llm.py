@@ -62,7 +62,8 @@ class LLM:
         self.config = EngineConfig(
             dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching, **engine_kwargs)
+            enable_prefix_caching=enable_prefix_caching, enable_lora=enable_lora,
+            max_lora_rank=max_lora_rank, **engine_kwargs)
         hub = {"trust_remote_code": trust_remote_code, "revision": revision}
         self.model, self.tokenizer, model_name = self._load(
             model, tokenizer, gguf_file, hub, dtype, self.config.device)
@@ -96,7 +97,7 @@ class LLM:
         self._weights_key = self._weights_fingerprint()
         self._lora_registry: AdapterRegistry | None = None
         if enable_lora or hasattr(self.model, "peft_config"):
-            self.llm_engine.vllm_config.lora_config = LoRAConfig(max_lora_rank=max_lora_rank,
+            self.llm_engine.vllm_config.lora_config = LoRAConfig(max_lora_rank=self.config.max_lora_rank,
                                                                  max_loras=self.config.max_loras)
         self._sequence_maker = SequenceMaker(seed, self._eos_token_ids(hf))
 

@@ -361,3 +361,21 @@ def test_max_loras_is_checked():
     live, tok = _peft(seed=9)
     with pytest.raises(ValueError, match="max_loras"):
         LLM(live, tokenizer=tok, max_model_len=128, max_loras=0)
+
+
+def test_reserved_adapter_table_bytes_equal_a_full_table(tmp_path):
+    """With enable_lora the CUDA KV budget leaves AdapterTable.max_bytes for the adapter table, which
+    is allocated mid-run: on a dense model with every projection adapted, max_loras adapters of rank
+    max_lora_rank fill exactly that much."""
+    from flexrollout.lora.table import AdapterTable
+
+    paths = [_saved(tmp_path, f"A{i}", seed=i)[0] for i in range(3)]       # r = 4, all seven targets
+    live, tok = _peft(seed=9)
+    llm = LLM(live, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=64, enable_lora=True,
+              max_loras=3, max_lora_rank=4)
+    _gen(llm, PROMPTS, lora_request=[LoRARequest(f"A{i}", i + 1, path) for i, path in enumerate(paths)])
+    table, engine = llm.llm_engine.runner.adapter_table, llm.llm_engine
+    used = sum(t.numel() * t.element_size() for pair in table.stacks.values() for t in pair)
+    assert len(table.held) == 3 and table.capacity == 3
+    assert used == AdapterTable.max_bytes(engine.forward.lora_targets(), len(engine.spec.layers), 3, 4,
+                                          torch.float32)

@@ -150,12 +150,13 @@ def test_without_fast_inference_unsloth_runs_unchanged():
 def test_vllm_engine_arguments_go_to_the_engine_not_to_unsloth(monkeypatch):
     monkeypatch.setenv("UNSLOTH_VLLM_STANDBY", "1")
     model, _, loader = _load(max_num_seqs=40, enforce_eager=True, conservativeness=0.5,
-                             random_state=7)
+                             random_state=7, max_loras=2, max_lora_rank=32)
     assert loader.calls[-1]["kwargs"] == {}
     engine = model.vllm_engine
     assert engine.max_batch_size == 40
     llm = engine.engine()
     assert llm.config.enforce_eager and llm.config.seed == 7
+    assert llm.config.enable_lora and (llm.config.max_loras, llm.config.max_lora_rank) == (2, 32)
     assert llm.llm_engine.vllm_config.model_config.enable_sleep_mode    # UNSLOTH_VLLM_STANDBY=1
 
 

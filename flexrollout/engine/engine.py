@@ -22,6 +22,7 @@ import torch
 from ..attention.kv_cache import KVCache
 from ..config import EngineConfig
 from ..facades import ModelConfig, VllmConfig
+from ..lora.table import AdapterTable
 from ..models.base import ForwardOptions
 from .detokenizer import append_text, final_text, find_stop_string
 from .graphs import DecodeGraphs
@@ -152,6 +153,9 @@ class LLMEngine:
             # mid-run, when no memory could be freed for it: reserved here (about 0.4 GB at 256
             # slots and a 152k vocabulary).
             margin += SlotSampling.max_bytes(self.num_slots, self.spec.vocab_size)
+            if cfg.enable_lora:      # the LoRARequest adapter table, also allocated mid-run
+                margin += AdapterTable.max_bytes(self.forward.lora_targets(), len(self.spec.layers),
+                                                 cfg.max_loras, cfg.max_lora_rank, dtype)
             states = KVCache.state_bytes(self.spec.layers, self.num_slots)
             pages = (min(own, free) - margin - states) // page_bytes
             if pages < 2:

@@ -55,8 +55,8 @@ logger = logging.getLogger(__name__)
 _MARK = "_flexrollout_unsloth"
 _STATE = {"installed": False}
 # Unsloth `from_pretrained` keyword arguments that only ever meant something to load_vllm.
-_ENGINE_ARGS = ("enforce_eager", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs")
-_IGNORED_ARGS = ("max_loras", "use_async", "use_engine", "compilation_config", "conservativeness",
+_ENGINE_ARGS = ("enforce_eager", "enable_prefix_caching", "max_num_batched_tokens", "max_loras", "max_num_seqs")
+_IGNORED_ARGS = ("use_async", "use_engine", "compilation_config", "conservativeness",
                  "max_logprobs", "return_args", "training")
 # Loads that would hand the engine quantized weights it cannot run yet (bitsandbytes 4-bit, Unsloth's
 # `load_in_4bit`, it runs).
@@ -191,7 +191,7 @@ def engine_options(sig, given: dict, max_batch_size=None) -> dict:
         "max_lora_rank": value("max_lora_rank", 16), "enable_sleep_mode": standby,
         "max_batch_size": max([f for f in floor if f] or [0]) or None,
     }
-    options.update({name: given[name] for name in _ENGINE_ARGS[:3] if name in given})
+    options.update({name: given[name] for name in _ENGINE_ARGS if name in given and name != "max_num_seqs"})
     return options
 
 

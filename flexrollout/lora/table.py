@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .adapters import BASE_MODEL, Adapter
+from .adapters import BASE_MODEL, Adapter, Targets
 
 BASE_ROW = -1       # a row's slot for `BaseModelRequest`: no adapter column, live adapters off
 
@@ -37,6 +37,13 @@ class AdapterTable:
         self.generation = 0
         self._last_use: dict[int, int] = {}             # lora_int_id -> step counter
         self._clock = 0
+
+    @staticmethod
+    def max_bytes(targets: Targets, num_layers: int, slots: int, rank: int, dtype: torch.dtype) -> int:
+        """A full table's size: every projection an adapter may adapt, in every layer (a bound:
+        hybrid layers lack some), `slots` adapters of rank `rank`. Stacked experts are not slotted."""
+        widths = sum(fan_out + fan_in for fan_out, fan_in in targets.linear.values())
+        return num_layers * widths * slots * rank * torch.finfo(dtype).bits // 8
 
     def row_slots(self, adapters: list[Adapter | None]) -> list[int] | None:
         """Each row's slot (placing missing adapters, evicting the least recently used ones this
