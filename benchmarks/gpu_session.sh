@@ -27,6 +27,10 @@
 #             and Qwen3-4B NF4 decode, the MoE GPU tests (new LoRA op), Qwen3-4B GRPO best of 2 (512 tokens now)
 #   gemma : Gemma-4-E2B decode profile at batch 1, the bf16 graphs-vs-eager test, 26B-A4B / 31B decode
 #   unsloth : benchmarks/unsloth_grpo.py (carry .whl-unsloth, made by benchmarks/unsloth_wheels.sh)
+#   pending_tests : (carry .whl) every GPU test: first GPU run of the adapter-table graphs, device bad
+#                   words, 4-bit graphs + matmul_4bit routing and the fla-free Qwen3.5 reference (2026-12-05)
+#   pending_bench : (carry .whl) Qwen3-4B decode 1 / 8 / 64 with and without the processors, LoRA modes
+#                   and 4 mixed LoRARequest adapters at r = 16 / 32, Qwen3-4B NF4 1 / 8 / 64 against HF
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
 mkdir -p "$out"
@@ -186,5 +190,17 @@ unsloth)
   echo "rc=$?" >> "$out/unsloth.log"
   { grep '^{' "$out/unsloth.log" || filter < "$out/unsloth.log" | tail -40; } > "$out/unsloth.txt"
   names="gpu unsloth" ;;
+pending_tests)
+  gputest 560 tests/ | tail -14 > "$out/tests.txt"
+  names="gpu tests" ;;
+pending_bench)
+  bench 150 --preset qwen3-4b --batch-sizes 1,8,64 --workload decode --sampling-options none,penalties \
+    --json "$out/qwen3-4b.json" | tail -8 > "$out/qwen3-4b.txt"
+  timeout 250 python3 benchmarks/lora_modes.py --preset qwen3-4b --ranks 16,32 --batch-sizes 1,8,64 \
+    > "$out/lora.log" 2>&1
+  { grep -A60 '^{' "$out/lora.log" || tail -25 "$out/lora.log"; } > "$out/lora.txt"
+  bench 150 --preset qwen3-4b --batch-sizes 1,8,64 --quantization bnb-nf4 --compare hf --hf-max-tokens 16 \
+    --json "$out/nf4.json" | tail -6 > "$out/nf4.txt"
+  names="gpu qwen3-4b lora nf4" ;;
 esac
 for f in $names; do echo "== $f"; cat "$out/$f.txt"; done

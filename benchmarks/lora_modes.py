@@ -1,5 +1,7 @@
-"""What each LoRA mode costs: decode tok/s with no adapter, live LoRA and merged LoRA, and the
-time of one merged refresh after an in-place adapter update.
+"""What each LoRA mode costs: decode tok/s with no adapter, live LoRA and merged LoRA, batches
+whose rows cycle over no request and `--requests` LoRARequest adapters (in memory, every
+projection; decoded from the adapter table's graphs), and the time of one merged refresh after an
+in-place adapter update.
 
     python benchmarks/lora_modes.py --preset qwen3-4b --ranks 16,64 --batch-sizes 8,64
 """
@@ -12,7 +14,7 @@ import time
 
 import torch
 
-from flexrollout import LLM
+from flexrollout import LLM, LoRARequest
 from flexrollout.bench import random_model, run_decode
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -30,6 +32,24 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def _random_requests(model, rank: int, count: int) -> list[LoRARequest]:
+    """`count` adapters of rank `rank` on every projection in ALL, as PEFT would save them."""
+    config = {"r": rank, "lora_alpha": 2 * rank, "target_modules": ALL}
+    requests = []
+    for i in range(count):
+        g = torch.Generator(device=model.device).manual_seed(i)
+        tensors = {}
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in ALL and isinstance(module, torch.nn.Linear):
+                fan_out, fan_in = module.weight.shape
+                tensors[f"base_model.model.{name}.lora_A.weight"] = \
+                    torch.randn(rank, fan_in, generator=g, device=model.device) / fan_in ** 0.5
+                tensors[f"base_model.model.{name}.lora_B.weight"] = \
+                    torch.randn(fan_out, rank, generator=g, device=model.device) * 0.01
+        requests.append(LoRARequest(f"random-{i}", i + 1, lora_tensors=tensors, lora_config=config))
+    return requests
+
+
 def main() -> None:
     from peft import LoraConfig, get_peft_model
 
@@ -38,6 +58,7 @@ def main() -> None:
     parser.add_argument("--ranks", default="16,64")
     parser.add_argument("--batch-sizes", default="8,64")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=4, help="LoRARequest adapters mixed per batch")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -48,7 +69,10 @@ def main() -> None:
         vocab = model.config.vocab_size
         base = LLM(model, max_model_len=1024, max_num_seqs=max(batches), gpu_memory_utilization=0.3)
         rows = {f"base_bs{b}": max(run_decode(base, b, 128, args.max_tokens, vocab)) for b in batches}
-        del base
+        mix = [None, *_random_requests(model, rank, args.requests)]
+        rows.update({f"requests{args.requests}_bs{b}": max(run_decode(base, b, 128, args.max_tokens, vocab,
+                                                                      lora_requests=mix)) for b in batches})
+        del base, mix
         _release(args.device)
         peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ALL))
         for mode in ("live", "merged"):

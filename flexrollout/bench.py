@@ -243,30 +243,33 @@ SAMPLING_OPTION_SETS = ("none", "penalties")
 
 
 def run_decode(llm, batch: int, prompt_len: int, max_tokens: int, vocab: int,
-               repeat: int = 1, options: dict | None = None) -> list[float]:
+               repeat: int = 1, options: dict | None = None, lora_requests: list | None = None) -> list[float]:
     """tok/s of `repeat` timed runs (same prompts), after a warm-up that captures the graphs;
-    `options`: extra SamplingParams fields of both (see `sampling_options`)."""
+    `options`: extra SamplingParams fields of both (see `sampling_options`); `lora_requests`:
+    the rows' requests, cycled over the batch (None: the model as held)."""
     from . import SamplingParams
 
     options = options or {}
+    rows = None if lora_requests is None else [lora_requests[i % len(lora_requests)] for i in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **options)
     warm_tokens = max(4, options.get("min_tokens", 0))
     llm.generate(_prompts(batch, prompt_len, vocab, 1), SamplingParams(
-        temperature=0.0, max_tokens=warm_tokens, ignore_eos=True, **options), use_tqdm=False)  # graphs
+        temperature=0.0, max_tokens=warm_tokens, ignore_eos=True, **options), use_tqdm=False,
+        lora_request=rows)                                                                    # graphs
     prompts = _prompts(batch, prompt_len, vocab, 2)
     rates = []
     for _ in range(repeat):
-        outs, elapsed = _timed_generate(llm, prompts, params)
+        outs, elapsed = _timed_generate(llm, prompts, params, rows)
         rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
     return rates
 
 
-def _timed_generate(llm, prompts, params) -> tuple[list, float]:
+def _timed_generate(llm, prompts, params, lora_request=None) -> tuple[list, float]:
     """`llm.generate` and its wall time, the device drained before and after."""
     device = llm.llm_engine.device.type
     _sync(device)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     _sync(device)
     return outs, time.perf_counter() - start
 
