@@ -379,3 +379,23 @@ def test_reserved_adapter_table_bytes_equal_a_full_table(tmp_path):
     assert len(table.held) == 3 and table.capacity == 3
     assert used == AdapterTable.max_bytes(engine.forward.lora_targets(), len(engine.spec.layers), 3, 4,
                                           torch.float32)
+
+
+def test_adapter_table_steps_trace_as_one_graph(monkeypatch, tmp_path, hf_greedy):
+    """On CUDA, decode steps over the adapter table run the compiled layer functions (fullgraph: a graph
+    break raises). Traced here on CPU with dynamo's eager backend, the steps equal PEFT's models."""
+    import dataclasses
+
+    import flexrollout.models.base as base
+
+    monkeypatch.setattr(base, "compiled", lambda fn, **kw: torch.compile(fn, backend="eager", **kw))
+    torch._dynamo.reset()
+    path_a, model_a = _saved(tmp_path, "A", seed=3)
+    live, tok = _peft(seed=9)
+    llm = LLM(live, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=64)
+    forward = llm.llm_engine.forward
+    forward.options = dataclasses.replace(forward.options, compile_layers=True)
+    a = LoRARequest("A", 1, path_a)
+    want = [hf_greedy(model_a, PROMPTS[0], 8).tokens, hf_greedy(live, PROMPTS[1], 8).tokens]
+    assert _gen(llm, PROMPTS[:2], lora_request=[a, None]) == want
+    assert forward._compiled, "decode over the adapter table should have run the compiled functions"

@@ -17,6 +17,8 @@ from .adapters import Adapter
 
 
 class LoraBatch:
+    compiles = False        # the layers run eagerly over it (see `DecoderForward._eager`)
+
     def __init__(self, token_adapters: list[Adapter | None], device: torch.device) -> None:
         slots: dict[int, int] = {}                    # lora_int_id -> slot
         self.adapters: list[Adapter] = []

@@ -132,7 +132,10 @@ def _adapts_experts(adapter: Adapter) -> bool:
 
 class TableBatch:
     """One step's LoRARequest rows read from the table: the same interface as `LoraBatch`
-    (`terms`, `expert_terms`, `live_mask`), built from device tensors only (capturable)."""
+    (`terms`, `expert_terms`, `live_mask`), built from device tensors only (capturable). Its
+    structure is fixed per table generation, so the compiled layer functions take it."""
+
+    compiles = True
 
     def __init__(self, table: AdapterTable, row_slots: torch.Tensor) -> None:
         self.stacks = table.stacks

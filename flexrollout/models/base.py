@@ -219,7 +219,7 @@ class DecoderForward:
         step = self._step(input_ids, meta, cache)
         hidden = self.embed(input_ids, step)
         layers = self.spec.layers
-        eager = meta.lora is not None or not self.options.compile_layers
+        eager = self._eager(meta)
         fused = meta.decode and not eager
         mixer_in = None     # this layer's `pre` output when the previous region computed it
         for i, spec in enumerate(layers):
@@ -276,6 +276,12 @@ class DecoderForward:
                           expert_rows=self.options.expert_rows if input_ids.is_cuda else 0,
                           lora_small=lora_small)
         return Step(meta, cache, rope, kernels, {})
+
+    def _eager(self, meta: AttentionMetadata) -> bool:
+        """The layer functions run uncompiled: compilation is off, or the step's LoRARequest rows
+        take the per-adapter path (`LoraBatch`: each count of adapters would be another
+        specialisation). Rows reading the adapter table (`TableBatch`) compile like any others."""
+        return not self.options.compile_layers or (meta.lora is not None and not meta.lora.compiles)
 
     def _fn(self, fn, eager: bool):
         """`fn` compiled (once per function, batch dimension dynamic), or as is."""

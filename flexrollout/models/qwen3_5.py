@@ -212,8 +212,7 @@ class Qwen3_5Forward(DecoderForward):
         args = (mixed, z, beta, g, attn.conv1d.weight.squeeze(1), attn.norm.weight, pools["conv"],
                 pools["recurrent"], meta.seq_slots, heads, self.eps)
         if meta.decode:
-            eager = meta.lora is not None or not self.options.compile_layers
-            return self._fn(linear_attention_decode, eager)(*args)
+            return self._fn(linear_attention_decode, self._eager(meta))(*args)
         return linear_attention_prefill(*args, meta.positions, meta.cu_seqlens, self.linear_backend)
 
 
