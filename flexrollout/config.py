@@ -71,6 +71,9 @@ class EngineConfig:
     # (max_loras slots of rank max_lora_rank); an adapter of a larger rank still runs.
     enable_lora: bool = False
     max_lora_rank: int = 16
+    # LoRARequest adapters kept loaded (least recently used dropped, reloaded when asked again);
+    # None: max_loras. vLLM's name, though ours are kept on the engine's device.
+    max_cpu_loras: int | None = None
     # Launch decode step t+1 before reading step t's tokens back (they are fed device to device),
     # so host work (scheduling, stop checks, detokenizing) overlaps the GPU. Stops are found a step
     # late (that extra token is discarded). Prefills and preemptions still run synchronously.
@@ -92,10 +95,12 @@ class EngineConfig:
         if self.small_batch_max_rows > GEMV_MAX_ROWS:
             raise ValueError(f"small_batch_max_rows must be <= {GEMV_MAX_ROWS} (the GEMV kernel's "
                              f"largest row tile), got {self.small_batch_max_rows}")
-        for name in ("max_model_len", "max_num_batched_tokens", "page_size", "num_kv_pages"):
+        for name in ("max_model_len", "max_num_batched_tokens", "page_size", "num_kv_pages", "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None:
                 _check_positive_int(name, value)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

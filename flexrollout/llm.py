@@ -37,7 +37,7 @@ _IGNORED = {
     "download_dir", "load_format", "swap_space", "disable_log_stats", "disable_custom_all_reduce",
     "distributed_executor_backend", "model_impl", "enable_chunked_prefill", "max_seq_len_to_capture",
     "compilation_config", "worker_extension_cls", "max_logprobs",
-    "max_cpu_loras", "lora_dtype", "hf_overrides",
+    "lora_dtype", "hf_overrides",
     "served_model_name", "allowed_local_media_path", "limit_mm_per_prompt", "async_scheduling",
     "disable_async_output_proc", "use_v2_block_manager", "num_scheduler_steps",
 }
@@ -306,7 +306,8 @@ class LLM:
             engine = self.llm_engine
             self._lora_registry = AdapterRegistry(
                 len(engine.spec.layers), engine.forward.lora_targets(), engine.device,
-                engine.model_config.dtype)
+                engine.model_config.dtype, self.config.max_cpu_loras or self.config.max_loras,
+                engine.runner.adapter_table.remove)
         return self._lora_registry
 
     def remove_lora(self, lora_id: int) -> bool:

@@ -332,7 +332,8 @@ def test_adapter_slots_load_evict_reload_and_fall_back_match_peft(tmp_path, hf_g
     path_b, model_b = _saved(tmp_path, "B", seed=11)
     path_c, model_c = _saved(tmp_path, "C", seed=5, r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"])
     live, tok = _peft(seed=9)
-    llm = LLM(live, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=64, max_loras=2)
+    llm = LLM(live, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=64, max_loras=2,
+              max_cpu_loras=8)
     table = llm.llm_engine.runner.adapter_table
     a, b, c = LoRARequest("A", 1, path_a), LoRARequest("B", 2, path_b), LoRARequest("C", 3, path_c)
     models = {None: live, a: model_a, b: model_b, c: model_c}
@@ -361,6 +362,33 @@ def test_max_loras_is_checked():
     live, tok = _peft(seed=9)
     with pytest.raises(ValueError, match="max_loras"):
         LLM(live, tokenizer=tok, max_model_len=128, max_loras=0)
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        LLM(live, tokenizer=tok, max_model_len=128, max_loras=4, max_cpu_loras=2)
+
+
+def test_loaded_adapters_are_capped_least_recently_used_first(tmp_path, hf_greedy):
+    """Unsloth's load_lora makes a fresh id per call: the engine keeps at most max_cpu_loras adapters
+    loaded (the least recently used dropped, with its table slot), and a dropped one asked for again is
+    reloaded and still right. One call may use more adapters than that."""
+    paths, models = zip(*[_saved(tmp_path, name, seed=seed) for name, seed in (("A", 3), ("B", 11), ("C", 5))])
+    live, tok = _peft(seed=9)
+    llm = LLM(live, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=64, max_loras=2)
+    requests = [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(zip("ABC", paths))]
+
+    def check(indices):
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(indices))]
+        want = [hf_greedy(models[i], p, 8).tokens for p, i in zip(prompts, indices)]
+        assert _gen(llm, prompts, lora_request=[requests[i] for i in indices]) == want
+
+    check([0])
+    check([1])
+    check([0])                                      # A used last: B is the one to go
+    check([2])
+    assert llm.list_loras() == {1, 3}
+    assert {a.name for a in llm.llm_engine.runner.adapter_table.held if a is not None} <= {"A", "C"}
+    check([1, 0, 2])                                # three in one call, two kept
+    assert len(llm.list_loras()) == 2
+    check([1])
 
 
 def test_reserved_adapter_table_bytes_equal_a_full_table(tmp_path):

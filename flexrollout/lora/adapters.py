@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..lora_request import LoRARequest
+
+logger = logging.getLogger(__name__)
 
 # layers.N.<the projection's path inside its layer>.lora_A|B[.adapter].weight
 _KEY = re.compile(r"layers\.(\d+)\.([\w.]+?)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
@@ -190,19 +195,32 @@ def load_adapter(request: LoRARequest, num_layers: int, targets: Targets,
 
 
 class AdapterRegistry:
-    """Loaded adapters, cached by lora_int_id (vLLM's contract: an id names one adapter)."""
+    """Loaded adapters, cached by lora_int_id (vLLM's contract: an id names one adapter), at most
+    `capacity` of them: the least recently used is dropped, and `on_evict` told its id (a later
+    request reloads it). Unsloth's `load_lora` makes a fresh id per call, so an unbounded cache
+    would hold every adapter ever loaded on the GPU. Sequences keep the Adapter they started with,
+    so dropping one in use costs nothing but a reload."""
 
-    def __init__(self, num_layers: int, targets: Targets, device, dtype) -> None:
+    def __init__(self, num_layers: int, targets: Targets, device, dtype, capacity: int,
+                 on_evict: Callable[[int], None] = lambda lora_int_id: None) -> None:
         self.num_layers, self.targets, self.device, self.dtype = num_layers, targets, device, dtype
-        self.adapters: dict[int, Adapter] = {}
+        self.capacity, self.on_evict = capacity, on_evict
+        self.adapters: OrderedDict[int, Adapter] = OrderedDict()
 
     def get(self, request: LoRARequest) -> Adapter:
         if isinstance(request, BaseModelRequest):
             return BASE_MODEL
-        if request.lora_int_id not in self.adapters:
-            self.adapters[request.lora_int_id] = load_adapter(
-                request, self.num_layers, self.targets, self.device, self.dtype)
-        return self.adapters[request.lora_int_id]
+        lora_id = request.lora_int_id
+        if lora_id in self.adapters:
+            self.adapters.move_to_end(lora_id)
+            return self.adapters[lora_id]
+        adapter = load_adapter(request, self.num_layers, self.targets, self.device, self.dtype)
+        self.adapters[lora_id] = adapter
+        while len(self.adapters) > self.capacity:
+            evicted, _ = self.adapters.popitem(last=False)
+            logger.info("LoRA adapter %d dropped from the cache (max_cpu_loras=%d)", evicted, self.capacity)
+            self.on_evict(evicted)
+        return adapter
 
     def remove(self, lora_int_id: int) -> bool:
         return self.adapters.pop(lora_int_id, None) is not None
