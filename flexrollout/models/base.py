@@ -51,6 +51,9 @@ class ForwardOptions:
     gemv_pdl: bool = True
     qkv_epilogue: bool = True
     expert_rows: int = 0            # MoE steps up to this many (token, expert) rows: grouped GEMV
+    # torch.compile backend of the layer functions; analysis and tests count dynamo's compiles
+    # with "eager" (dynamo's guards decide recompiles, not the backend), which is fast on CPU.
+    compile_backend: str = "inductor"
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,7 @@ class DecoderForward:
         # object whose fields dynamo would guard per projection); decode graphs still capture them.
         compile_layers = options.compile_layers and not self.quantized
         self.options = replace(options, small_rows=min(small, gemv.MAX_ROWS), compile_layers=compile_layers)
+        self._compiled = {}     # compiled under the options they were built with
 
     def refresh(self) -> bool:
         """Re-read every projection (before a generate): merged LoRA copies are brought up to
@@ -282,7 +286,8 @@ class DecoderForward:
         if eager:
             return fn
         if fn not in self._compiled:
-            self._compiled[fn] = compiled(fn, dynamic=True, fullgraph=True)
+            self._compiled[fn] = compiled(fn, dynamic=True, fullgraph=True,
+                                          backend=self.options.compile_backend)
         return self._compiled[fn]
 
     @property
