@@ -6,8 +6,8 @@
 Builds a random model of a `flexrollout bench` preset (`--layers`: fewer layers, same widths),
 forces the per-layer compilation on (the engine compiles only on CUDA), generates a few tokens at
 each batch size and prints, per compiled function: its compiles, its guard failures grouped by
-reason, graph breaks, and whether dynamo gave up on it (recompile limit hit: that function then
-runs eagerly). Recompiles are decided by dynamo's guards, not by the backend, so `--backend
+reason, graph breaks, and whether the recompile limit was hit (a fullgraph=True function, as
+the engine's are, then raises; others run eagerly from then on). Recompiles are decided by dynamo's guards, not by the backend, so `--backend
 eager` counts the same compiles in seconds on a CPU; inductor (the default on CUDA) also times
 the real compilation. On CUDA the decode steps capture their CUDA graphs as the engine does.
 """
@@ -36,8 +36,8 @@ _SIZES = re.compile(r"expected \d+, actual \d+")
 
 
 class LimitWatcher(logging.Handler):
-    """Catches dynamo's "hit config.recompile_limit" warnings: the function named there runs
-    eagerly from then on."""
+    """Catches dynamo's "hit config.recompile_limit" warnings: a function compiled without
+    fullgraph runs eagerly from then on (the engine's, compiled with fullgraph=True, raise)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -138,8 +138,12 @@ def main(argv=None) -> int:
     force_compile(llm, args.backend)
     dynamo_utils.clear_compilation_metrics()
     start = time.perf_counter()
-    for batch in args.batch_sizes:
-        generate(llm, batch, args.prompt_len, args.max_tokens)
+    try:
+        for batch in args.batch_sizes:
+            generate(llm, batch, args.prompt_len, args.max_tokens)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+        # fullgraph=True functions (the engine's) fail at the limit instead of running eagerly.
+        watcher.messages.append(f"{e} (during batch {batch}): {e.__cause__}")
     elapsed = time.perf_counter() - start
     print(f"{args.preset} layers={args.layers or PRESETS[args.preset]['layers']} "
           f"batch sizes {args.batch_sizes} backend={args.backend} device={device}: {elapsed:.1f} s")
