@@ -9,10 +9,13 @@ engine must know), two pure tensor functions and their arguments:
   residual adds, norms, the feed-forward block).
 
 The loop in `forward` is written once: it runs the mixer between them (paged attention with the
-layer's own mask, window and sinks), compiles `pre` / `post` on CUDA (one compilation serves
-every layer and every batch, the weights being arguments), joins one layer's `post` and the next
-layer's `pre` into one compiled region in decode (the residual add then fuses into the next input
-norm), runs long prefills' `post` in row chunks, and runs steps with `LoRARequest` rows eagerly.
+layer's own mask, window and sinks), compiles `pre` / `post` on CUDA (the weights being
+arguments, one compilation serves every layer of a kind: dynamo specialises on parameter shapes
+and on which function runs, so per batch specialisation a model compiles once per kind of layer,
+or in decode once per kind of neighbouring pair: benchmarks/compile_count.py counts them), joins
+one layer's `post` and the next layer's `pre` into one compiled region in decode (the residual
+add then fuses into the next input norm), runs long prefills' `post` in row chunks, and runs
+steps with `LoRARequest` rows eagerly.
 Projections are `Linear`s read from the model's own modules (live LoRA included), so the same
 functions serve the plain, live-LoRA and merged-LoRA paths.
 """
