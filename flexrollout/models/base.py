@@ -9,10 +9,13 @@ engine must know), two pure tensor functions and their arguments:
   residual adds, norms, the feed-forward block).
 
 The loop in `forward` is written once: it runs the mixer between them (paged attention with the
-layer's own mask, window and sinks), compiles `pre` / `post` on CUDA (one compilation serves
-every layer and every batch, the weights being arguments), joins one layer's `post` and the next
-layer's `pre` into one compiled region in decode (the residual add then fuses into the next input
-norm), runs long prefills' `post` in row chunks, and runs steps with `LoRARequest` rows eagerly.
+layer's own mask, window and sinks), compiles `pre` / `post` on CUDA (the weights being
+arguments, one compilation serves every layer of a kind: dynamo specialises on parameter shapes
+and on which function runs, so per batch specialisation a model compiles once per kind of layer,
+or in decode once per kind of neighbouring pair: benchmarks/compile_count.py counts them), joins
+one layer's `post` and the next layer's `pre` into one compiled region in decode (the residual
+add then fuses into the next input norm), runs long prefills' `post` in row chunks, and runs
+steps with `LoRARequest` rows eagerly.
 Projections are `Linear`s read from the model's own modules (live LoRA included), so the same
 functions serve the plain, live-LoRA and merged-LoRA paths.
 """
@@ -51,6 +54,9 @@ class ForwardOptions:
     gemv_pdl: bool = True
     qkv_epilogue: bool = True
     expert_rows: int = 0            # MoE steps up to this many (token, expert) rows: grouped GEMV
+    # torch.compile backend of the layer functions; analysis and tests count dynamo's compiles
+    # with "eager" (dynamo's guards decide recompiles, not the backend), which is fast on CPU.
+    compile_backend: str = "inductor"
 
 
 @dataclass(frozen=True)
@@ -176,6 +182,7 @@ class DecoderForward:
         # object whose fields dynamo would guard per projection); decode graphs still capture them.
         compile_layers = options.compile_layers and not self.quantized
         self.options = replace(options, small_rows=min(small, gemv.MAX_ROWS), compile_layers=compile_layers)
+        self._compiled = {}     # compiled under the options they were built with
 
     def refresh(self) -> bool:
         """Re-read every projection (before a generate): merged LoRA copies are brought up to
@@ -288,7 +295,8 @@ class DecoderForward:
         if eager:
             return fn
         if fn not in self._compiled:
-            self._compiled[fn] = compiled(fn, dynamic=True, fullgraph=True)
+            self._compiled[fn] = compiled(fn, dynamic=True, fullgraph=True,
+                                          backend=self.options.compile_backend)
         return self._compiled[fn]
 
     @property

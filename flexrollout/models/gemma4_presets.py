@@ -21,6 +21,11 @@ GEMMA4_PRESETS = {
     "gemma-4-26b-a4b": dict(arch="gemma4", hidden=2816, inter=2112, moe_inter=704, experts=128, top_k=8,
                             layers=30, heads=16, kv=8, hd=256, global_hd=512, global_kv=2, vocab=262144,
                             theta=1e4, tie=True, window=1024, sliding_per_full=5, softcap=30.0),
+    # E2B's layout (every layer kind: sliding / full, shared KV, double-wide MLPs, per-layer
+    # inputs) at tiny widths, for CPU runs such as benchmarks/compile_count.py.
+    "tiny-gemma4": dict(arch="gemma4", hidden=64, inter=128, layers=10, heads=4, kv=1, hd=16,
+                        global_hd=32, global_kv=None, vocab=512, theta=1e4, tie=True, window=16,
+                        sliding_per_full=4, shared=4, ple=8, double_wide=True, softcap=30.0),
 }
 
 
