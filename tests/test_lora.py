@@ -409,20 +409,17 @@ def test_reserved_adapter_table_bytes_equal_a_full_table(tmp_path):
                                           torch.float32)
 
 
-def test_adapter_table_steps_trace_as_one_graph(monkeypatch, tmp_path, hf_greedy):
+def test_adapter_table_steps_trace_as_one_graph(tmp_path, hf_greedy):
     """On CUDA, decode steps over the adapter table run the compiled layer functions (fullgraph: a graph
     break raises). Traced here on CPU with dynamo's eager backend, the steps equal PEFT's models."""
     import dataclasses
 
-    import flexrollout.models.base as base
-
-    monkeypatch.setattr(base, "compiled", lambda fn, **kw: torch.compile(fn, backend="eager", **kw))
     torch._dynamo.reset()
     path_a, model_a = _saved(tmp_path, "A", seed=3)
     live, tok = _peft(seed=9)
     llm = LLM(live, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=64)
     forward = llm.llm_engine.forward
-    forward.options = dataclasses.replace(forward.options, compile_layers=True)
+    forward.prepare(dataclasses.replace(forward.options, compile_layers=True, compile_backend="eager"))
     a = LoRARequest("A", 1, path_a)
     want = [hf_greedy(model_a, PROMPTS[0], 8).tokens, hf_greedy(live, PROMPTS[1], 8).tokens]
     assert _gen(llm, PROMPTS[:2], lora_request=[a, None]) == want

@@ -15,7 +15,7 @@ and on which function runs, so per batch specialisation a model compiles once pe
 or in decode once per kind of neighbouring pair: benchmarks/compile_count.py counts them), joins
 one layer's `post` and the next layer's `pre` into one compiled region in decode (the residual
 add then fuses into the next input norm), runs long prefills' `post` in row chunks, and runs
-steps with `LoRARequest` rows eagerly.
+steps whose `LoRARequest` rows take the per-adapter path (`LoraBatch`) eagerly.
 Projections are `Linear`s read from the model's own modules (live LoRA included), so the same
 functions serve the plain, live-LoRA and merged-LoRA paths.
 """
