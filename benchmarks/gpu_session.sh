@@ -31,6 +31,8 @@
 #                   words, 4-bit graphs + matmul_4bit routing and the fla-free Qwen3.5 reference (2026-12-05)
 #   pending_bench : (carry .whl) Qwen3-4B decode 1 / 8 / 64 with and without the processors, LoRA modes
 #                   and 4 mixed LoRARequest adapters at r = 16 / 32, Qwen3-4B NF4 1 / 8 / 64 against HF
+#   gemma_compile : Inductor compile counts of Gemma-4-E2B against Qwen3-4B (compile_count.py), E2B decode
+#                   1 / 8 / 64 from cold compile caches (capture time), the bs-1 decode profile
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
 mkdir -p "$out"
@@ -202,5 +204,14 @@ pending_bench)
   bench 150 --preset qwen3-4b --batch-sizes 1,8,64 --quantization bnb-nf4 --compare hf --hf-max-tokens 16 \
     --json "$out/nf4.json" | tail -6 > "$out/nf4.txt"
   names="gpu qwen3-4b lora nf4" ;;
+gemma_compile)
+  for preset in gemma-4-e2b qwen3-4b; do
+    timeout 150 python3 benchmarks/compile_count.py --preset $preset --batch-sizes 1,8,64 2>&1 | filter | tail -12
+  done > "$out/compiles.txt"
+  TORCHINDUCTOR_CACHE_DIR=/tmp/cold-inductor TRITON_CACHE_DIR=/tmp/cold-triton \
+    bench 200 --preset gemma-4-e2b --batch-sizes 1,8,64 --workload decode --json "$out/e2b.json" | tail -6 > "$out/e2b.txt"
+  timeout 120 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 2>&1 | filter | head -30 \
+    > "$out/profile.txt"
+  names="gpu compiles e2b profile" ;;
 esac
 for f in $names; do echo "== $f"; cat "$out/$f.txt"; done
