@@ -1,12 +1,11 @@
 """The engine loop, written once for every architecture: schedule, run, sample, stop.
 
-Async decode (`EngineConfig.async_decode`): a decode step whose rows need no history-dependent
-sampling state is launched before the previous step's tokens are read back, and that previous
-result is processed while the GPU runs the new step. At most one step is pending. The next step
-assumes every sequence continues; one that stopped (EOS, stop id, stop string) is found a step
-late and its extra token is discarded. Anything that needs the exact host state (a prefill,
-a preemption, multi-token bad words, the end of `run`) drains the pending step
-first. Penalties, biases, min_tokens and one-token bad words keep their state on the device,
+Async decode (`EngineConfig.async_decode`): a decode step is launched before the previous step's
+tokens are read back, and that previous result is processed while the GPU runs the new step. At
+most one step is pending. The next step assumes every sequence continues; one that stopped (EOS,
+stop id, stop string) is found a step late and its extra token is discarded. Anything that needs
+the exact host state (a prefill, a preemption, the end of `run`) drains the pending step first.
+The logits processors (penalties, biases, min_tokens, bad words) keep their state on the device,
 per slot (`SlotSampling`), so their rows pipeline like any other.
 """
 from __future__ import annotations

@@ -132,16 +132,17 @@ class ModelRunner:
         self.pages.flush()
         inputs = self.decode_inputs(seqs)
         adapters = [seq.lora for seq in seqs]
-        lora_slots = self.adapter_table.row_slots(adapters) if any(adapters) else None
-        if lora_slots is not None:
-            inputs["lora_slots"] = lora_slots
-        if self.graphs is not None and (lora_slots is not None or not any(adapters)) \
-                and self.graphs.can_run(len(seqs)):
-            table = None if lora_slots is None else self.adapter_table
+        has_lora = any(a is not None for a in adapters)
+        table_slots = self.adapter_table.row_slots(adapters) if has_lora else None
+        per_adapter = has_lora and table_slots is None      # more adapters than slots: eager
+        if table_slots is not None:
+            inputs["lora_slots"] = table_slots
+        table = None if table_slots is None else self.adapter_table
+        if self.graphs is not None and not per_adapter and self.graphs.can_run(len(seqs)):
             return self.graphs.run(inputs, st, table)
         tensors = {name: self._tensor(values) for name, values in inputs.items()}
-        slots = tensors.pop("lora_slots", None)
-        lora = LoraBatch.build(adapters, self.device) if slots is None else TableBatch(self.adapter_table, slots)
+        lora = (LoraBatch(adapters, self.device) if per_adapter
+                else None if table is None else TableBatch(table, tensors.pop("lora_slots")))
         return self.decode_step(**tensors, st=sampling_to_device(st, self.device), lora=lora)
 
     def read_back(self, out: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:

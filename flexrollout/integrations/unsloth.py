@@ -54,8 +54,9 @@ logger = logging.getLogger(__name__)
 
 _MARK = "_flexrollout_unsloth"
 _STATE = {"installed": False}
-# Unsloth `from_pretrained` keyword arguments that only ever meant something to load_vllm.
-_ENGINE_ARGS = ("enforce_eager", "enable_prefix_caching", "max_num_batched_tokens", "max_loras", "max_num_seqs")
+# Unsloth `from_pretrained` keyword arguments that only ever meant something to load_vllm: passed to
+# the engine as they are, and max_num_seqs, which floors the engine's batch size.
+_ENGINE_ARGS = ("enforce_eager", "enable_prefix_caching", "max_num_batched_tokens", "max_loras")
 _IGNORED_ARGS = ("use_async", "use_engine", "compilation_config", "conservativeness",
                  "max_logprobs", "return_args", "training")
 # Loads that would hand the engine quantized weights it cannot run yet (bitsandbytes 4-bit, Unsloth's
@@ -150,7 +151,7 @@ def load_pretrained(original, *args, **kwargs):
         return original(*args, **kwargs)
     options = engine_options(sig, given, max_batch_size)
     extra = _var_keyword(sig, bound)
-    for name in _ENGINE_ARGS + _IGNORED_ARGS + ("unsloth_vllm_standby",):
+    for name in _ENGINE_ARGS + _IGNORED_ARGS + ("max_num_seqs", "unsloth_vllm_standby"):
         extra.pop(name, None)
     bound.arguments["fast_inference"] = False
     model, tokenizer = original(*bound.args, **bound.kwargs)
@@ -191,7 +192,7 @@ def engine_options(sig, given: dict, max_batch_size=None) -> dict:
         "max_lora_rank": value("max_lora_rank", 16), "enable_sleep_mode": standby,
         "max_batch_size": max([f for f in floor if f] or [0]) or None,
     }
-    options.update({name: given[name] for name in _ENGINE_ARGS if name in given and name != "max_num_seqs"})
+    options.update({name: given[name] for name in _ENGINE_ARGS if name in given})
     return options
 
 

@@ -69,15 +69,15 @@ class AdapterTable:
     def _place(self, adapter: Adapter, needed: dict[int, Adapter]) -> None:
         if any(a is not None and a.lora_int_id == adapter.lora_int_id for a in self.held):
             return
-        free = [i for i, a in enumerate(self.held) if a is None or a.lora_int_id not in needed]
         if None in self.held:
             slot = self.held.index(None)
         elif len(self.held) < self.max_slots:
             slot = len(self.held)
-        else:
-            slot = min(free, key=lambda i: self._last_use.get(self.held[i].lora_int_id, 0))
-        if slot >= len(self.held):
-            self.held += [None] * (slot + 1 - len(self.held))
+            self.held.append(None)
+        else:                               # evict the least recently used one this step can spare
+            spare = [i for i, a in enumerate(self.held) if a.lora_int_id not in needed]
+            slot = min(spare, key=lambda i: self._last_use[self.held[i].lora_int_id])
+            del self._last_use[self.held[slot].lora_int_id]
         self.held[slot] = adapter
         if not self._fits(adapter) or slot >= self.capacity:
             self._rebuild()
