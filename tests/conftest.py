@@ -504,3 +504,95 @@ def run_fresh_python(code: str, triton_interpret: bool) -> str:
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
+
+
+# --------------------------------------------------------------------------------------------- decode graphs on CPU
+
+
+def _step_written_tensors(runner) -> list[torch.Tensor]:
+    """Every tensor a decode step may write: the KV cache, the per-sequence states, the pending
+    ids and the processors' slot state."""
+    cache = runner.cache
+    found = [*cache.k, *cache.v, *(t for pools in cache.states for t in pools.values()),
+             runner.slot_tokens, *(t for t in vars(runner.slot_sampling).values() if isinstance(t, torch.Tensor))]
+    unique = {id(t): t for t in found if t is not None}
+    return list(unique.values())
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """``cpu_graphs(llm)`` gives the engine `DecodeGraphs` on CPU, where CUDA graphs do not exist: a
+    capture runs its step without keeping any write (a real capture records kernels, runs none),
+    a replay runs the recorded step again over the same static inputs and copies what it returns
+    into the captured outputs. Streams and events are no-ops (CPU work is ordered). Everything else
+    (buckets, padding rows, warm-ups, graph keys) is the engine's own code, so graph-path
+    bookkeeping gets CI coverage; what a GPU adds (kernels recorded once) the GPU tests cover."""
+    from contextlib import contextmanager, nullcontext
+
+    from flexrollout.engine.graphs import DecodeGraphs
+
+    class Ordered:
+        def __init__(self, *args, **kwargs): ...
+        def wait_stream(self, other): ...
+        def record(self, *args): ...
+        def synchronize(self): ...
+
+    class RecordedStep:
+        def __init__(self):
+            self.step = self.out = None
+
+        def replay(self):
+            fresh = self.step()
+            for field in dataclasses.fields(self.out):
+                static = getattr(self.out, field.name)
+                if static is not None:
+                    static.copy_(getattr(fresh, field.name))
+
+    capturing: list[RecordedStep] = []
+
+    @contextmanager
+    def graph(recorded, pool=None, stream=None):
+        capturing.append(recorded)
+        try:
+            yield
+        finally:
+            capturing.pop()
+
+    real_step = DecodeGraphs._step
+
+    def step(self, *args):
+        if not capturing:
+            return real_step(self, *args)
+        written = _step_written_tensors(self.runner)
+        before = [t.clone() for t in written]
+        recorded = capturing[-1]
+        recorded.out = real_step(self, *args)
+        for t, kept in zip(written, before):
+            t.copy_(kept)
+        recorded.step = lambda: real_step(self, *args)
+        return recorded.out
+
+    real_run = DecodeGraphs.run
+
+    def run(self, *args):
+        # On CUDA `read_back` copies a replay's static outputs to the host before the next replay
+        # overwrites them; on CPU it hands the step's own tensors on, so the stand-in copies them.
+        out = real_run(self, *args)
+        return type(out)(**{f.name: None if getattr(out, f.name) is None else getattr(out, f.name).clone()
+                            for f in dataclasses.fields(out)})
+
+    monkeypatch.setattr(DecodeGraphs, "_step", step)
+    monkeypatch.setattr(DecodeGraphs, "run", run)
+    for name, value in (("Stream", Ordered), ("Event", Ordered), ("stream", lambda s: nullcontext()),
+                        ("current_stream", lambda *a: Ordered()), ("CUDAGraph", RecordedStep),
+                        ("graph", graph), ("graph_pool_handle", lambda: object())):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None, raising=False)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args: self)
+
+    def attach(llm):
+        engine = llm.llm_engine
+        engine.runner.graphs = DecodeGraphs(engine.runner, engine.config.max_num_seqs)
+        return engine.runner.graphs
+
+    return attach

@@ -104,10 +104,14 @@ def _max_diff(a, b) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("decode", ["eager", "graphs"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_greedy_batch_matches_hf(variant, hf_greedy):
+def test_greedy_batch_matches_hf(variant, decode, hf_greedy, request):
+    """`graphs`: decode replays graphs (on CPU through the `cpu_graphs` stand-in), padded rows included."""
     model, tok = make_tiny_gemma4(variant)
     llm = tiny_llm(model, tok)
+    if decode == "graphs":
+        request.getfixturevalue("cpu_graphs")(llm)
     layers = llm.llm_engine.spec.layers
     assert [(l.window, l.head_dim, l.scale) for l in layers] == [(WINDOW, 16, 1.0), (None, 32, 1.0)] * 2
     assert all(len(p) > WINDOW for p in PROMPTS)

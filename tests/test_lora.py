@@ -322,19 +322,27 @@ def test_base_model_rows_beside_live_rows():
     assert got == [base[0], live[0], base[1]]
 
 
-def test_adapter_slots_load_evict_reload_and_fall_back_match_peft(tmp_path, hf_greedy):
+@pytest.mark.parametrize("decode", ["eager", "graphs"])
+def test_adapter_slots_load_evict_reload_and_fall_back_match_peft(tmp_path, hf_greedy, decode, request):
     """Decode reads LoRARequest adapters from the adapter table's slots. With two slots: A and B
     fill them; C (rank 8, another scaling, two targets only) grows the rank (a rebuild) and
     evicts one; A comes back into a slot C's neighbour held (its columns rewritten in place,
     none of the previous adapter's left); three adapters in one step do not fit and take the
-    per-adapter path. Every row equals PEFT's own model of its adapter."""
+    per-adapter path. Every row equals PEFT's own model of its adapter. `graphs`: table steps
+    replay decode graphs (on CPU through the `cpu_graphs` stand-in); a rebuild drops the graphs
+    over the old stacks, an in-place slot write keeps them."""
     path_a, model_a = _saved(tmp_path, "A", seed=3)
     path_b, model_b = _saved(tmp_path, "B", seed=11)
     path_c, model_c = _saved(tmp_path, "C", seed=5, r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"])
     live, tok = _peft(seed=9)
     llm = LLM(live, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=64, max_loras=2,
               max_cpu_loras=8)
+    graphs = request.getfixturevalue("cpu_graphs")(llm) if decode == "graphs" else None
     table = llm.llm_engine.runner.adapter_table
+
+    def table_graphs() -> set[int]:
+        """The adapter-table generations the captured graphs read."""
+        return set() if graphs is None else {key[2][0] for key in graphs.graphs if key[2][0] is not None}
     a, b, c = LoRARequest("A", 1, path_a), LoRARequest("B", 2, path_b), LoRARequest("C", 3, path_c)
     models = {None: live, a: model_a, b: model_b, c: model_c}
 
@@ -348,9 +356,11 @@ def test_adapter_slots_load_evict_reload_and_fall_back_match_peft(tmp_path, hf_g
     check([c, c])
     assert sorted(x.name for x in table.held) == ["B", "C"] and table.rank == 8
     generation, stacks = table.generation, dict(table.stacks)
+    assert table_graphs() == ({generation} if graphs else set())
     check([a, c, None])
     assert sorted(x.name for x in table.held) == ["A", "C"]
     assert table.generation == generation and all(table.stacks[k] is v for k, v in stacks.items())
+    assert table_graphs() == ({generation} if graphs else set())
     check([a, b, c, None])                          # three adapters, two slots: per-adapter path
     assert sorted(x.name for x in table.held) == ["A", "C"]
     llm.remove_lora(3)

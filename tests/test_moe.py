@@ -42,10 +42,14 @@ def _reference_prompt_logprobs(model, prompt: list[int]) -> list[float]:
     return [float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
 
 
+@pytest.mark.parametrize("decode", ["eager", "graphs"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_batch_matches_hf(arch, hf_greedy):
+def test_greedy_batch_matches_hf(arch, decode, hf_greedy, request):
+    """`graphs`: decode replays graphs (on CPU through the `cpu_graphs` stand-in), padded rows included."""
     model, tok = make_tiny_moe(arch)
     llm = tiny_llm(model, tok)
+    if decode == "graphs":
+        request.getfixturevalue("cpu_graphs")(llm)
     spec = llm.llm_engine.spec
     if arch == "gpt_oss":
         assert [layer.window for layer in spec.layers] == [6, None, 6] and all(l.sinks for l in spec.layers)

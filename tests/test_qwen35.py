@@ -183,6 +183,20 @@ def test_spec_states_and_mixed_batch_with_slot_reuse_match_hf(tiny, hf_greedy):
     assert _tokens(llm.generate(_prompts(MIXED[:2]), GREEDY, use_tqdm=False)) == refs[:2]
 
 
+def test_decode_graphs_leave_live_states_alone_and_match_hf(tiny, hf_greedy, cpu_graphs):
+    """Decode graphs (on CPU through the `cpu_graphs` stand-in) captured mid-generation as rows finish
+    (batches 4, 3 padded to 4, 2, 1): a capture's warm-up steps must not advance a live row's conv or
+    recurrent state, and padded rows must write only the padding slot's."""
+    model, tok = tiny
+    llm = tiny_llm(model, tok, max_num_seqs=4)
+    graphs = cpu_graphs(llm)
+    lengths = [10, 7, 5, 3]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outs = llm.generate(_prompts(MIXED), params, use_tqdm=False)
+    assert sorted({key[0] for key in graphs.graphs}) == [1, 2, 4]
+    assert _tokens(outs) == [hf_greedy(model, p, n).tokens for p, n in zip(MIXED, lengths)]
+
+
 def test_chunked_prefill_matches_hf(tiny, hf_greedy):
     """A 70-token prompt prefilled in 16-token engine chunks (state and conv history carried from
     chunk to chunk), and in one step (the torch rule crosses its 64-token chunk)."""

@@ -59,15 +59,17 @@ def _one_at_a_time(model, tok, prompts, params, **engine) -> list[list[int]]:
 # ------------------------------------------------------------------------------ slot reuse, mixed batches
 
 
-@pytest.mark.parametrize("async_decode", [True, False], ids=["async", "sync"])
-def test_mixed_rows_and_reused_slots_match_hf(peaky, async_decode):
+@pytest.mark.parametrize("decode", ["async", "sync", "graphs"])
+def test_mixed_rows_and_reused_slots_match_hf(peaky, decode, request):
     """Eight greedy requests through 3 slots, every other one with processors (repetition penalty, a
     one-token bad word, a suppressed token, min_tokens before a stop id): each equals HF generate with the
     same processors, and a plain request equals plain HF greedy although its slot held a processor row before
-    and its batch holds processor rows now."""
+    and its batch holds processor rows now. `graphs`: async decode replaying decode graphs (on CPU through
+    the `cpu_graphs` stand-in), captured as new batch sizes and processor sets turn up mid-generation."""
     model, tok = peaky
     prompts = random_prompts([9, 14, 6, 21, 11, 17, 8, 12], seed=41)
-    llm = tiny_llm(model, tok, max_num_seqs=3, async_decode=async_decode)
+    llm = tiny_llm(model, tok, max_num_seqs=3, async_decode=decode != "sync")
+    graphs = request.getfixturevalue("cpu_graphs")(llm) if decode == "graphs" else None
     params, refs = [], []
     for i, prompt in enumerate(prompts):
         plain = _hf_generate(model, prompt, 10)
@@ -86,7 +88,9 @@ def test_mixed_rows_and_reused_slots_match_hf(peaky, async_decode):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert _tokens(outs) == refs
     assert any(refs[i] != _hf_generate(model, prompts[i], 10) for i in range(0, 8, 2)), "processors never acted"
-    if async_decode:
+    if graphs is not None:
+        assert any(key[1][3] for key in graphs.graphs), list(graphs.graphs)
+    if decode != "sync":
         assert llm.llm_engine.stats.overlapped_decode_steps > 0, "processor rows should pipeline"
 
 

@@ -99,20 +99,24 @@ class DecodeGraphs:
         """Write this step's rows (and harmless padding rows) into the static inputs: two host
         tensors, one pinned staging buffer, one host-to-device copy."""
         staging = self._free_staging()
-        staging[:, batch:bucket].zero_()
         rows = {"lora_slots": [0] * batch, **inputs}        # without LoRARequests: live rows
         int_rows = [rows[n] if n in rows else getattr(st, n) for n, d in self._VARS if d == torch.long]
         staging[:self._num_int, :batch] = torch.stack([torch.as_tensor(r, dtype=torch.long) for r in int_rows])
         floats = torch.stack([getattr(st, n) for n, d in self._VARS if d == torch.float32])
         # Bit patterns in the low half of each int64 cell (little-endian), read by graph_vars' views.
         staging[self._num_int:, :batch] = float_bits(floats)
-        # Padding rows: slot 0 / page 0, greedy, untruncated.
-        staging[self._top_k_row, batch:bucket] = self.vocab
-        staging[self._top_p_row, batch:bucket] = self._one_bits
+        self._pad(staging, batch, bucket)
         self.packed[:, :bucket].copy_(staging[:, :bucket], non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
         self._copied[self._turn] = copied
+
+    def _pad(self, rows: torch.Tensor, start: int, end: int) -> None:
+        """Make columns start:end of a packed buffer padding rows: slot 0 / page 0 (which absorb
+        their writes), greedy, untruncated."""
+        rows[:, start:end].zero_()
+        rows[self._top_k_row, start:end] = self.vocab
+        rows[self._top_p_row, start:end] = self._one_bits
 
     def _free_staging(self) -> torch.Tensor:
         """The next staging buffer, once the copy that last read it has run."""
@@ -139,16 +143,16 @@ class DecodeGraphs:
         start = time.perf_counter()
         stream = self.capture_stream
         stream.wait_stream(torch.cuda.current_stream())
-        # Warm-up steps scatter their ids into slot_tokens (and record them in the processors'
-        # slot state); the real step (the first replay) must still read the pending ids of the
-        # previous step and the state so far, so each warm-up is undone.
-        slot_tokens, state, processors = self.runner.slot_tokens, self.runner.slot_sampling, mode[3]
+        # Warm-up steps run for real: over this step's rows they would advance state the real
+        # step (the first replay) must still read from where it was (the previous step's pending
+        # ids, penalty counts, bad-word histories, a linear-attention layer's conv and recurrent
+        # states). They run over padding rows instead, whose writes slot 0 and page 0 absorb.
         with torch.cuda.stream(stream):
-            saved, history = slot_tokens.clone(), state.snapshot(processors)
+            rows = self.packed[:, :bucket].clone()
+            self._pad(self.packed, 0, bucket)
             for _ in range(2):                   # compile kernels and settle allocations first
-                out = self._step(bucket, mode, table)
-                slot_tokens.copy_(saved)
-                state.undo(self.graph_vars["slots"][:bucket], out.token_ids, processors, history)
+                self._step(bucket, mode, table)
+            self.packed[:, :bucket].copy_(rows)
         torch.cuda.current_stream().wait_stream(stream)
         # cuBLAS keeps one workspace per (handle, stream) until cleared. Cleared before, the
         # capture takes its own from the graph pool: reusing the warm-up's eager one would leave

@@ -449,24 +449,11 @@ class SlotSampling:
         if "bad_words" in parts:
             self.history[slots] = torch.cat([self.history[slots, 1:], token_ids[:, None]], dim=1)
 
-    def snapshot(self, parts: tuple[str, ...]) -> torch.Tensor | None:
-        """Before a graph warm-up step: the histories (the state `undo` cannot subtract)."""
-        return self.history.clone() if "bad_words" in parts else None
-
-    def undo(self, slots: torch.Tensor, token_ids: torch.Tensor, parts: tuple[str, ...],
-             history: torch.Tensor | None) -> None:
-        """Take back a warm-up step's `record`: its counts, and the histories as `snapshot` saw
-        them, so the real step (the graph's first replay) reads the state it would have read."""
-        if "penalties" in parts:
-            self.count(slots, token_ids, -1.0)
-        if history is not None:
-            self.history.copy_(history)
-
-    def count(self, slots: torch.Tensor, token_ids: torch.Tensor, step: float = 1.0) -> None:
-        """Add each drawn token to its slot's counts (`step=-1` takes a graph warm-up's back).
-        Atomic adds of integers: exact, in any order, and capturable."""
+    def count(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Add each drawn token to its slot's counts. Atomic adds of integers: exact, in any
+        order, and capturable."""
         flat = slots * self.vocab + token_ids
-        self.counts.view(-1).index_add_(0, flat, torch.full(flat.shape, step, device=flat.device))
+        self.counts.view(-1).index_add_(0, flat, torch.ones(flat.shape, device=flat.device))
 
 
 def build_sampling_tensors(seqs, vocab: int, slot_state: SlotSampling | None = None) -> SamplingTensors:
