@@ -29,8 +29,10 @@
 #   unsloth : benchmarks/unsloth_grpo.py (carry .whl-unsloth, made by benchmarks/unsloth_wheels.sh)
 #   pending_tests : (carry .whl) every GPU test: first GPU run of the adapter-table graphs, device bad
 #                   words, 4-bit graphs + matmul_4bit routing and the fla-free Qwen3.5 reference (2026-12-05)
-#   pending_bench : (carry .whl) Qwen3-4B decode 1 / 8 / 64 with and without the processors, LoRA modes
+#   pending_bench : (carry .whl) Qwen3-4B decode 1 / 8 / 64 with and without the processors (bad words too), LoRA modes
 #                   and 4 mixed LoRARequest adapters at r = 16 / 32, Qwen3-4B NF4 1 / 8 / 64 against HF
+#   recheck_graphs : (carry .whl) the Qwen3.5 graph tests after the warm-up fix, then the GPU tests the
+#                    2026-12-05 run did not reach, slow real-width Gemma-4 last (failures summarised)
 #   gemma_compile : Inductor compile counts of Gemma-4-E2B against Qwen3-4B (compile_count.py), E2B decode
 #                   1 / 8 / 64 from cold compile caches (capture time), the bs-1 decode profile
 out=${1:-/tmp/flexrollout-gpu}
@@ -40,7 +42,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 filter() { grep -v -e DEBUG -e "UserWarning" -e "warn_once"; }
 # Every step's whole output also goes to $out/full.log: a filtered tail hides why a step failed.
 bench() { timeout "$1" python3 -m flexrollout.cli bench "${@:2}" 2>&1 | tee -a "$out/full.log" | filter; }
-gputest() { timeout "$1" python3 -m pytest -q -m gpu "${@:2}" 2>&1 | tee -a "$out/full.log" | filter; }
+# pytest-timeout's session limit stops the run 30 s before `timeout` would, so the failures' summary
+# (-rfE, short tracebacks) still prints; a killed pytest prints nothing but its progress dots.
+gputest() { timeout "$1" python3 -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider \
+  --session-timeout=$(( $1 - 30 )) "${@:2}" 2>&1 | tee -a "$out/full.log" | filter; }
 lora32() { bench 150 --preset qwen3-4b --workload grpo --lora-rank 32 --json "$out/grpo-lora32.json" \
   | tail -2 > "$out/lora32.txt"; }
 sweep=1,2,4,8,12,16,24,32,48,64
@@ -196,7 +201,7 @@ pending_tests)
   gputest 560 tests/ | tail -14 > "$out/tests.txt"
   names="gpu tests" ;;
 pending_bench)
-  bench 150 --preset qwen3-4b --batch-sizes 1,8,64 --workload decode --sampling-options none,penalties \
+  bench 200 --preset qwen3-4b --batch-sizes 1,8,64 --workload decode --sampling-options none,penalties,bad_words \
     --json "$out/qwen3-4b.json" | tail -8 > "$out/qwen3-4b.txt"
   timeout 250 python3 benchmarks/lora_modes.py --preset qwen3-4b --ranks 16,32 --batch-sizes 1,8,64 \
     > "$out/lora.log" 2>&1
@@ -204,6 +209,13 @@ pending_bench)
   bench 150 --preset qwen3-4b --batch-sizes 1,8,64 --quantization bnb-nf4 --compare hf --hf-max-tokens 16 \
     --json "$out/nf4.json" | tail -6 > "$out/nf4.txt"
   names="gpu qwen3-4b lora nf4" ;;
+recheck_graphs)
+  # 2026-12-05's warm-up fix (Qwen3.5 states) and the near-tie-aware Gemma-4 test first, then the
+  # rest of the GPU tests the first H200 call did not reach; the slow real-width Gemma-4 ones last.
+  gputest 560 tests/test_quant4bit.py tests/test_qwen35.py tests/test_lora_fused_gpu.py tests/test_sleep.py \
+    tests/test_gpu.py tests/test_kernels.py tests/test_sampling_vocab.py tests/test_gemma4.py \
+    | grep -v -e "^tests/.*warn" | tail -30 > "$out/tests.txt"
+  names="gpu tests" ;;
 gemma_compile)
   for preset in gemma-4-e2b qwen3-4b; do
     timeout 150 python3 benchmarks/compile_count.py --preset $preset --batch-sizes 1,8,64 2>&1 | filter | tail -12
