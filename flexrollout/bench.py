@@ -232,14 +232,38 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[dict]:
 def sampling_options(name: str, vocab: int) -> dict:
     """SamplingParams fields of a `--sampling-options` set. "penalties" turns on every logits
     processor that keeps per-slot state: the three penalties, a logit_bias of a few tokens, and
-    min_tokens=8 before a stop id (the last id, which random weights rarely draw)."""
+    min_tokens=8 before a stop id (the last id, which random weights rarely draw). "bad_words":
+    four multi-token words (2 to 4 tokens), spelled in `word_tokenizer`'s words "t{id}" (a random
+    preset's tokenizer); the step checks each row's recent tokens against them whether or not
+    they ever match."""
     if name == "none":
         return {}
+    if name == "bad_words":
+        words = [[7, 9], [11, 13, 17], [19, 23], [29, 31, 37, 41]]
+        return {"bad_words": [" ".join(f"t{t % vocab}" for t in word) for word in words]}
     return {"repetition_penalty": 1.1, "frequency_penalty": 0.1, "presence_penalty": 0.1,
             "logit_bias": {2: 0.5, 3: -0.5, 5: 1.0}, "min_tokens": 8, "stop_token_ids": [vocab - 1]}
 
 
-SAMPLING_OPTION_SETS = ("none", "penalties")
+SAMPLING_OPTION_SETS = ("none", "penalties", "bad_words")
+
+
+def word_tokenizer(vocab_size: int, eos_token_id: int | None = None):
+    """A word-level fast tokenizer for random weights: id i <-> the word "t{i}", except the specials
+    "<pad>" = 0, "<s>" = 1 and "</s>" = `eos_token_id` (default: the last id). Adds no special
+    tokens, so `tok("t5 t9").input_ids == [5, 9]`. (Specials are matched anywhere in a text, so
+    they must not look like "t{i}": a special "t1" would split "t17".)"""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    eos = vocab_size - 1 if eos_token_id is None else eos_token_id
+    specials = {0: "<pad>", 1: "<s>", eos: "</s>"}
+    backend = Tokenizer(models.WordLevel(vocab={specials.get(i, f"t{i}"): i for i in range(vocab_size)},
+                                         unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")      # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<pad>", pad_token="<pad>",
+                                   bos_token="<s>", eos_token="</s>")
 
 
 def run_decode(llm, batch: int, prompt_len: int, max_tokens: int, vocab: int,
@@ -372,6 +396,11 @@ def bench(args) -> dict:
     model_len = model_length(args)
     t0 = time.perf_counter()
     model, tokenizer, result["name"] = _load_model(args, dtype, device, model_len)
+    # Bad words are text: a random preset gets word_tokenizer to spell them. Its text is never
+    # read, so no set detokenizes (the sets stay comparable, and as before without a tokenizer).
+    set_defaults = {}
+    if tokenizer is None and "bad_words" in args.sampling_options.split(","):
+        tokenizer, set_defaults = word_tokenizer(model.config.vocab_size), {"detokenize": False}
     if args.quantization:
         from .model_files import UserError
 
@@ -427,7 +456,7 @@ def bench(args) -> dict:
         for batch, name in decode_runs:
             progress.set_description(f"decode, batch {batch}, sampling {name}")
             rates = run_decode(llm, batch, args.prompt_len, args.max_tokens, vocab, args.repeat,
-                               sampling_options(name, vocab))
+                               {**set_defaults, **sampling_options(name, vocab)})
             tok_s = max(rates)
             ctx = args.prompt_len + args.max_tokens / 2
             row = {"workload": "decode", "batch": batch, "tok_s": tok_s, **_spread(rates)}
@@ -687,8 +716,9 @@ def add_bench_parser(p) -> None:
                         "of them (one model, one engine)")
     p.add_argument("--sampling-options", default="none",
                    help="decode sampling sets, a comma list: none (plain greedy), penalties (repetition "
-                        "1.1, frequency 0.1, presence 0.1, a logit_bias of 3 tokens, min_tokens=8); "
-                        "'none,penalties' times both on one engine")
+                        "1.1, frequency 0.1, presence 0.1, a logit_bias of 3 tokens, min_tokens=8), "
+                        "bad_words (4 words of 2-4 tokens; a random preset gets a word-level tokenizer "
+                        "to spell them); 'none,penalties' times both on one engine")
     p.add_argument("--compare", choices=["hf"], default=None, help="also time HF generate on the same model")
     p.add_argument("--repeat", type=int, default=1,
                    help="timed runs per decode batch and GRPO shape: the best is reported, the spread kept")

@@ -90,21 +90,9 @@ def make_tiny_tokenizer(vocab_size: int = TINY_VOCAB, eos_token_id: int = TINY_E
     Its chat template writes ``t2`` before each message's content and ``t3`` as the generation prompt, so
     ``[{"role": "user", "content": "t5 t6"}]`` -> ``[2, 5, 6, 3]``.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from flexrollout.bench import word_tokenizer
 
-    specials = {0: "<pad>", 1: "<s>", eos_token_id: "</s>"}
-    vocab = {specials.get(i, f"t{i}"): i for i in range(vocab_size)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<pad>",
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-    )
+    tok = word_tokenizer(vocab_size, eos_token_id)
     tok.chat_template = (
         "{% for m in messages %}t2 {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}t3{% endif %}"
     )

@@ -148,17 +148,23 @@ def test_bench_quantized_preset_runs_beside_hf(capsys):
     assert result["rows"][0]["hf_tok_s"] > 0 and result["quantization"] == "bnb-fp4"
 
 
-def test_bench_times_decode_with_and_without_penalties(capsys):
-    """--sampling-options none,penalties: one decode row per batch size and set, named in the table."""
+def test_bench_times_decode_with_and_without_processors(capsys):
+    """--sampling-options none,penalties,bad_words: one decode row per batch size and set, named in the
+    table; the random preset gets a word-level tokenizer that spells the bad words as 2-4 tokens."""
+    from flexrollout.bench import sampling_options, word_tokenizer
+
     code, out, _ = run_cli(["bench", "--device", "cpu", "--preset", "tiny-llama", "--batch-sizes", "1,2",
-                            "--max-tokens", "10", "--prompt-len", "8", "--sampling-options", "none,penalties",
-                            "--json", "-"], capsys)
+                            "--max-tokens", "10", "--prompt-len", "8", "--sampling-options",
+                            "none,penalties,bad_words", "--json", "-"], capsys)
     assert code == 0
     rows = __import__("json").loads(out[out.index("{"):])["rows"]
-    assert [(r["batch"], r["sampling"]) for r in rows] == [(1, "none"), (1, "penalties"), (2, "none"),
-                                                           (2, "penalties")]
+    assert [(r["batch"], r["sampling"]) for r in rows] == [(b, s) for b in (1, 2)
+                                                           for s in ("none", "penalties", "bad_words")]
     assert all(r["tok_s"] > 0 for r in rows)
-    assert "sampling" in out.split("{")[0] and "penalties" in out.split("{")[0]
+    assert "sampling" in out.split("{")[0] and "bad_words" in out.split("{")[0]
+    tok = word_tokenizer(512)
+    lengths = [len(tok(w).input_ids) for w in sampling_options("bad_words", 512)["bad_words"]]
+    assert lengths == [2, 3, 2, 4]
 
 
 def test_help_shows_defaults(capsys):
