@@ -36,6 +36,12 @@ TINY_EOS = TINY_VOCAB - 1  # random models rarely produce one given id; tests pa
 # --------------------------------------------------------------------------------------------- markers
 
 
+def pytest_addoption(parser):
+    parser.addoption("--cpu-graphs", action="store_true",
+                     help="every CPU engine (enforce_eager off) decodes through DecodeGraphs, replayed by the "
+                          "cpu_graphs stand-in: the whole suite as a check of the graph path")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: test needs a CUDA device; skipped where CUDA is absent")
 
@@ -508,13 +514,14 @@ def _step_written_tensors(runner) -> list[torch.Tensor]:
 
 
 @pytest.fixture
-def cpu_graphs(monkeypatch):
+def cpu_graphs():
     """``cpu_graphs(llm)`` gives the engine `DecodeGraphs` on CPU, where CUDA graphs do not exist: a
     capture runs its step without keeping any write (a real capture records kernels, runs none),
     a replay runs the recorded step again over the same static inputs and copies what it returns
     into the captured outputs. Streams and events are no-ops (CPU work is ordered). Everything else
     (buckets, padding rows, warm-ups, graph keys) is the engine's own code, so graph-path
-    bookkeeping gets CI coverage; what a GPU adds (kernels recorded once) the GPU tests cover."""
+    bookkeeping gets CI coverage; what a GPU adds (kernels recorded once) the GPU tests cover.
+    Patched through a MonkeyPatch of its own: a test's `monkeypatch.undo()` leaves it in place."""
     from contextlib import contextmanager, nullcontext
 
     from flexrollout.engine.graphs import DecodeGraphs
@@ -569,18 +576,40 @@ def cpu_graphs(monkeypatch):
         return type(out)(**{f.name: None if getattr(out, f.name) is None else getattr(out, f.name).clone()
                             for f in dataclasses.fields(out)})
 
-    monkeypatch.setattr(DecodeGraphs, "_step", step)
-    monkeypatch.setattr(DecodeGraphs, "run", run)
-    for name, value in (("Stream", Ordered), ("Event", Ordered), ("stream", lambda s: nullcontext()),
-                        ("current_stream", lambda *a: Ordered()), ("CUDAGraph", RecordedStep),
-                        ("graph", graph), ("graph_pool_handle", lambda: object())):
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None, raising=False)
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args: self)
-
     def attach(llm):
         engine = llm.llm_engine
         engine.runner.graphs = DecodeGraphs(engine.runner, engine.config.max_num_seqs)
         return engine.runner.graphs
 
-    return attach
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DecodeGraphs, "_step", step)
+        patch.setattr(DecodeGraphs, "run", run)
+        for name, value in (("Stream", Ordered), ("Event", Ordered), ("stream", lambda s: nullcontext()),
+                            ("current_stream", lambda *a: Ordered()), ("CUDAGraph", RecordedStep),
+                            ("graph", graph), ("graph_pool_handle", lambda: object())):
+            patch.setattr(torch.cuda, name, value)
+        patch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None, raising=False)
+        patch.setattr(torch.Tensor, "pin_memory", lambda self, *args: self)
+        yield attach
+
+
+@pytest.fixture(autouse=True)
+def _graphs_everywhere(request):
+    """With `--cpu-graphs`: every engine built on CPU without enforce_eager gets `cpu_graphs`."""
+    if not request.config.getoption("--cpu-graphs") or "cpu_graphs" in request.fixturenames:
+        yield
+        return
+    from flexrollout.engine.engine import LLMEngine
+    from flexrollout.engine.graphs import DecodeGraphs
+
+    request.getfixturevalue("cpu_graphs")                    # the stand-in's patches
+    build = LLMEngine.__init__
+
+    def init(engine, *args, **kwargs):
+        build(engine, *args, **kwargs)
+        if engine.runner.graphs is None and not engine.config.enforce_eager:
+            engine.runner.graphs = DecodeGraphs(engine.runner, engine.config.max_num_seqs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LLMEngine, "__init__", init)
+        yield
