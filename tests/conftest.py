@@ -513,6 +513,14 @@ def _step_written_tensors(runner) -> list[torch.Tensor]:
     return list(unique.values())
 
 
+def _give_decode_graphs(engine):
+    """The engine's runner gets `DecodeGraphs`, as a CUDA engine without enforce_eager has."""
+    from flexrollout.engine.graphs import DecodeGraphs
+
+    engine.runner.graphs = DecodeGraphs(engine.runner, engine.config.max_num_seqs)
+    return engine.runner.graphs
+
+
 @pytest.fixture
 def cpu_graphs():
     """``cpu_graphs(llm)`` gives the engine `DecodeGraphs` on CPU, where CUDA graphs do not exist: a
@@ -576,11 +584,6 @@ def cpu_graphs():
         return type(out)(**{f.name: None if getattr(out, f.name) is None else getattr(out, f.name).clone()
                             for f in dataclasses.fields(out)})
 
-    def attach(llm):
-        engine = llm.llm_engine
-        engine.runner.graphs = DecodeGraphs(engine.runner, engine.config.max_num_seqs)
-        return engine.runner.graphs
-
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(DecodeGraphs, "_step", step)
         patch.setattr(DecodeGraphs, "run", run)
@@ -590,7 +593,7 @@ def cpu_graphs():
             patch.setattr(torch.cuda, name, value)
         patch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None, raising=False)
         patch.setattr(torch.Tensor, "pin_memory", lambda self, *args: self)
-        yield attach
+        yield lambda llm: _give_decode_graphs(llm.llm_engine)
 
 
 @pytest.fixture(autouse=True)
@@ -600,7 +603,6 @@ def _graphs_everywhere(request):
         yield
         return
     from flexrollout.engine.engine import LLMEngine
-    from flexrollout.engine.graphs import DecodeGraphs
 
     request.getfixturevalue("cpu_graphs")                    # the stand-in's patches
     build = LLMEngine.__init__
@@ -608,7 +610,7 @@ def _graphs_everywhere(request):
     def init(engine, *args, **kwargs):
         build(engine, *args, **kwargs)
         if engine.runner.graphs is None and not engine.config.enforce_eager:
-            engine.runner.graphs = DecodeGraphs(engine.runner, engine.config.max_num_seqs)
+            _give_decode_graphs(engine)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(LLMEngine, "__init__", init)
