@@ -33,6 +33,9 @@
 #                   and 4 mixed LoRARequest adapters at r = 16 / 32, Qwen3-4B NF4 1 / 8 / 64 against HF
 #   recheck_graphs : (carry .whl) the Qwen3.5 graph tests after the warm-up fix, then the GPU tests the
 #                    2026-12-05 run did not reach, slow real-width Gemma-4 last (failures summarised)
+#   lora_profile : where live LoRA's decode time goes: the shrink at several K splits and the folded
+#                  GEMV per projection group (lora_sweep.py), bs-1 and bs-8 profiles of Qwen3-4B with
+#                  and without a live r=32 adapter on all seven projections
 #   gemma_compile : Inductor compile counts of Gemma-4-E2B against Qwen3-4B (compile_count.py), E2B decode
 #                   1 / 8 / 64 from cold compile caches (capture time), the bs-1 decode profile
 out=${1:-/tmp/flexrollout-gpu}
@@ -201,9 +204,9 @@ pending_tests)
   gputest 560 tests/ | tail -14 > "$out/tests.txt"
   names="gpu tests" ;;
 pending_bench)
-  bench 200 --preset qwen3-4b --batch-sizes 1,8,64 --workload decode --sampling-options none,penalties,bad_words \
+  bench 180 --preset qwen3-4b --batch-sizes 1,8,64 --workload decode --sampling-options none,penalties,bad_words \
     --json "$out/qwen3-4b.json" | tail -8 > "$out/qwen3-4b.txt"
-  timeout 250 python3 benchmarks/lora_modes.py --preset qwen3-4b --ranks 16,32 --batch-sizes 1,8,64 \
+  timeout 230 python3 benchmarks/lora_modes.py --preset qwen3-4b --ranks 16,32 --batch-sizes 1,8,64 \
     > "$out/lora.log" 2>&1
   { grep -A60 '^{' "$out/lora.log" || tail -25 "$out/lora.log"; } > "$out/lora.txt"
   bench 150 --preset qwen3-4b --batch-sizes 1,8,64 --quantization bnb-nf4 --compare hf --hf-max-tokens 16 \
@@ -217,6 +220,13 @@ recheck_graphs)
     tests/test_gpu.py tests/test_kernels.py tests/test_sampling_vocab.py tests/test_gemma4.py \
     | tail -30 > "$out/tests.txt"
   names="gpu tests" ;;
+lora_profile)
+  timeout 100 python3 benchmarks/lora_sweep.py 2>&1 | filter > "$out/lora_sweep.txt"
+  for args in "--batch 1" "--batch 1 --lora-rank 32" "--batch 8" "--batch 8 --lora-rank 32"; do
+    echo "== $args"
+    timeout 75 python3 benchmarks/profile_decode.py --preset qwen3-4b $args 2>&1 | filter | head -22
+  done > "$out/lora_profile.txt"
+  names="gpu lora_sweep lora_profile" ;;
 gemma_compile)
   for preset in gemma-4-e2b qwen3-4b; do
     timeout 150 python3 benchmarks/compile_count.py --preset $preset --batch-sizes 1,8,64 2>&1 | filter | tail -12

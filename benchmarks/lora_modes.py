@@ -93,6 +93,8 @@ def main() -> None:
             del llm
             _release(args.device)
         results.append({"rank": rank, **{k: round(v, 1) if isinstance(v, float) else v for k, v in rows.items()}})
+        # Each rank as it finishes: a run cut short by its time limit keeps the ranks it measured.
+        print(json.dumps(results[-1]), flush=True)
         del peft_model, model
         if args.device == "cuda":
             torch.cuda.empty_cache()

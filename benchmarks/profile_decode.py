@@ -3,7 +3,7 @@
 The prefill is taken out: the same prompts are profiled once with one new token, and those
 kernel times (and that wall time) are subtracted, leaving steps - 1 decode steps.
 
-    python benchmarks/profile_decode.py --preset qwen3-4b --batch 8
+    python benchmarks/profile_decode.py --preset qwen3-4b --batch 8 [--lora-rank 32]
 """
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ from torch.profiler import ProfilerActivity, profile
 from flexrollout import LLM, SamplingParams
 from flexrollout.bench import quantize_4bit, random_model
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
 
 def _category(name: str) -> str:
     lowered = name.lower()
-    for key, label in (("expert_gemv", "experts (grouped GEMV)"), ("small_linear_kernel", "gemm"), ("qkv_epilogue", "q/k/v epilogue (sum, norm, RoPE, KV store)"),
+    for key, label in (("lora_shrink", "LoRA shrink (s A x)"), ("lora_expand", "LoRA expand"),
+                       ("expert_gemv", "experts (grouped GEMV)"), ("small_linear_kernel", "gemm"), ("qkv_epilogue", "q/k/v epilogue (sum, norm, RoPE, KV store)"),
                        ("flex", "attention"), ("gemm", "gemm"), ("gemv", "gemm"), ("cutlass", "gemm"),
                        ("nvjet", "gemm"), ("sm90", "gemm"), ("argmax", "sampler"), ("softmax", "sampler"),
                        ("sort", "sampler"), ("triton", "fused elementwise (norms, RoPE, KV store, sums)"),
@@ -76,10 +79,17 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--no-pdl", action="store_true", help="GEMV launches without PDL")
     parser.add_argument("--quantization", choices=("bnb-nf4", "bnb-fp4"), help="4-bit base weights")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="live PEFT LoRA of this rank on all seven projections")
     args = parser.parse_args()
     model = random_model(args.preset, torch.bfloat16, "cuda", 4096)
     if args.quantization:
         quantize_4bit(model, args.quantization.removeprefix("bnb-"))
+    if args.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                                 target_modules=LORA_TARGETS)).eval()
     llm = LLM(model, max_model_len=2048, max_num_seqs=max(args.batch, 8), gpu_memory_utilization=0.5,
               gemv_pdl=not args.no_pdl)
     prompts = [{"prompt_token_ids": list(range(10 + i, 138 + i))} for i in range(args.batch)]

@@ -57,14 +57,14 @@ def rank_block(ranks) -> int:
     return 1 << (r - 1).bit_length()
 
 
-def k_slice(k: int) -> int:
-    """Input columns per shrink program: a multiple of BLOCK_K, at most MAX_SPLIT slices."""
+def k_slice(k: int, max_split: int = MAX_SPLIT) -> int:
+    """Input columns per shrink program: a multiple of BLOCK_K, at most `max_split` slices."""
     chunks = -(-k // BLOCK_K)
-    return BLOCK_K * -(-chunks // MAX_SPLIT)
+    return BLOCK_K * -(-chunks // max_split)
 
 
-def split_of(k: int) -> int:
-    return -(-k // k_slice(k))
+def split_of(k: int, max_split: int = MAX_SPLIT) -> int:
+    return -(-k // k_slice(k, max_split))
 
 
 def _ranks(a0, a1, a2) -> list[int]:
@@ -172,13 +172,14 @@ def _(x, a0, a1, a2, s0, s1, s2, pdl=True):
                        slot_count(a0, a1, a2) * rank_block(_ranks(a0, a1, a2)), dtype=torch.float32)
 
 
-def launch(x, a0, a1, a2, scales, pdl: bool = False) -> torch.Tensor:
-    """Run the Triton kernel (CUDA, or Triton's interpreter on CPU tensors in tests)."""
+def launch(x, a0, a1, a2, scales, pdl: bool = False, max_split: int = MAX_SPLIT) -> torch.Tensor:
+    """Run the Triton kernel (CUDA, or Triton's interpreter on CPU tensors in tests).
+    `max_split`: K slices at most (benchmarks/lora_sweep.py weighs others)."""
     import triton
 
     m, k = x.shape
     ranks, slots = _ranks(a0, a1, a2), slot_count(a0, a1, a2)
-    r_block, k_per = rank_block(ranks), k_slice(k)
+    r_block, k_per = rank_block(ranks), k_slice(k, max_split)
     split = -(-k // k_per)
     out = torch.empty(split, m, slots * r_block, device=x.device, dtype=torch.float32)
     block_m = row_block(m)

@@ -1,0 +1,85 @@
+"""What live LoRA adds to a small-batch projection on the GPU: the shrink launch (s A x over PEFT's
+fp32 A) at several K splits, and the GEMV with B (s A x) folded in, against the plain GEMV.
+
+Qwen3-4B's four projection groups (q/k/v, o, gate/up with SiLU-mul, down), rank 32 adapters on
+every matrix, each timed from CUDA-graph replays of 8 launches over 8 weight copies (as in
+gemv_sweep.py, so L2 holds none of them), PDL on as in the engine. Prints microseconds per launch
+and, per row count, the extra time a decoder layer pays (sum over the groups).
+
+    python benchmarks/lora_sweep.py [--rows 1,8,32] [--rank 32] [--splits 8,16,32,80]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from gemv_sweep import SHAPES, graph_seconds
+
+from flexrollout.kernels import lora as lk
+from flexrollout.kernels import small_linear as sl
+
+GROUPS = ("qkv", "o", "gate_up", "down")
+COPIES = 8
+
+
+def _group(name: str, rows: int, rank: int):
+    """Weight copies, adapters (fp32, as PEFT keeps them) and an input for one projection group."""
+    widths, k, silu = SHAPES[name]
+    weights = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for n in widths]
+               for _ in range(COPIES)]
+    pad = [None] * (3 - len(widths))
+    lora_a = [[torch.randn(rank, k, device="cuda") / k ** 0.5 for _ in widths] + pad for _ in range(COPIES)]
+    lora_b = [[torch.randn(n, rank, device="cuda") * 0.01 for n in widths] + pad for _ in range(COPIES)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    return weights, lora_a, lora_b, x, silu, pad
+
+
+def _time(fn) -> float:
+    """Microseconds per launch sequence: `fn(i)` over the COPIES weight copies in one graph."""
+    state = {"i": 0}
+
+    def step():
+        fn(state["i"] % COPIES)
+        state["i"] += 1
+    return graph_seconds(step, reps=COPIES) * 1e6
+
+
+def measure(name: str, rows: int, rank: int, splits: list[int]) -> dict:
+    weights, lora_a, lora_b, x, silu, pad = _group(name, rows, rank)
+    scales = [2.0, 2.0, 2.0]
+    width = sum(w.shape[0] for w in weights[0][: 1 if silu else 3])
+    tile = sl.tiling(rows, width, x.shape[1], silu, x.dtype)
+    row = {"group": name, "rows": rows, "gemv_split": tile.split}
+    row["gemv_us"] = _time(lambda i: sl.launch(x, *(weights[i] + pad), silu, tile, pdl=True))
+    for split in splits:
+        row[f"shrink{split}_us"] = _time(
+            lambda i, s=split: lk.launch(x, *lora_a[i], scales, pdl=True, max_split=s))
+    low_rank = lk.launch(x, *lora_a[0], scales, pdl=True)
+    row["folded_gemv_us"] = _time(lambda i: sl.launch(x, *(weights[i] + pad), silu, tile, pdl=True,
+                                                      lora=(low_rank, *lora_b[i])))
+    row["shrink_plus_folded_us"] = _time(lambda i: sl.launch(
+        x, *(weights[i] + pad), silu, tile, pdl=True,
+        lora=(lk.launch(x, *lora_a[i], scales, pdl=True), *lora_b[i])))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--splits", default="8,16,32,80")
+    args = parser.parse_args()
+    splits = [int(s) for s in args.splits.split(",")]
+    for rows in (int(r) for r in args.rows.split(",")):
+        results = [measure(name, rows, args.rank, splits) for name in GROUPS]
+        keys = [k for k in results[0] if k.endswith("_us")]
+        print(f"rows {rows}, rank {args.rank}: microseconds per launch sequence")
+        print(f"{'group':8s}" + "".join(f"{k[:-3]:>22s}" for k in keys))
+        for r in results:
+            print(f"{r['group']:8s}" + "".join(f"{r[k]:22.2f}" for k in keys))
+        extra = sum(r["shrink_plus_folded_us"] - r["gemv_us"] for r in results)
+        print(f"live LoRA adds {extra:.1f} us per decoder layer at {rows} rows", flush=True)
+
+
+if __name__ == "__main__":
+    main()
