@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from flexrollout import LLM, SamplingParams
 from flexrollout.bench import random_model
+from flexrollout.kernels import lora as lora_kernels
 from flexrollout.layers.linear import Kernels, Linear, gated_act, linear, project_group
 
 pytestmark = [pytest.mark.gpu,
@@ -52,17 +53,18 @@ def _relerr(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("rows", [1, 8, 32, 33, 64, 65, 300])
 def test_folded_gemv_bf16_at_qwen3_4b_shapes(rank, rows):
     """q/k/v (v unadapted), gate/up with SiLU-mul, o and down as the engine calls them: within
-    PEFT's own bf16 error of float64 (one rounding instead of PEFT's two). Up to 64 rows the
-    GEMV with the adapter folded in; past it cuBLAS plus the expand kernel."""
+    PEFT's own bf16 error of float64 (one rounding instead of PEFT's two). Up to the GEMV's LoRA
+    rows (32) the GEMV with the adapter folded in; past them cuBLAS plus the expand kernel, as
+    the engine routes them."""
     g = torch.Generator().manual_seed(rank * 100 + rows)
     q, k, v = _projection(4096, 2560, rank, g), _projection(1024, 2560, rank, g), _projection(1024, 2560, 0, g)
     gate, up = _projection(9728, 2560, rank, g), _projection(9728, 2560, rank, g)
     o, down = _projection(2560, 4096, rank, g), _projection(2560, 9728, rank, g)
-    kernels = Kernels(small=rows <= 32, lora_small=rows <= 64)
+    gemv = rows <= lora_kernels.MAX_ROWS
+    kernels = Kernels(small=gemv, lora_small=gemv, lora_expand=not gemv)
     x = torch.randn(rows, 2560, generator=g).to("cuda", torch.bfloat16)
     with torch.no_grad():
         outs = project_group(x, [q, k, v], kernels)
-        gemv = rows <= 64
         assert all(out.dim() == (3 if gemv else 2) for out in outs), "q/k/v: one GEMV launch"
         for out, p in zip(outs, (q, k, v)):
             got = out.sum(0).to(torch.bfloat16) if gemv else out
@@ -98,11 +100,11 @@ def _prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def test_fp32_live_lora_with_graphs_matches_peft_greedy():
-    """fp32 (the GEMV path up to 32 rows), batches of 1 and 12 on one engine: tokens equal HF
-    generate on the PEFT model."""
+    """fp32, batches of 1 and 12 (the GEMV with the adapter folded in) and 40 (cuBLAS + shrink +
+    expand, as every prefill) on one engine: tokens equal HF generate on the PEFT model."""
     pm = _peft(torch.float32, 16, seed=1)
-    llm = LLM(pm, max_model_len=512, max_num_seqs=16, num_kv_pages=64)
-    for batch in (1, 12):
+    llm = LLM(pm, max_model_len=512, max_num_seqs=48, num_kv_pages=256)
+    for batch in (1, 12, 40):
         prompts = _prompts(batch, pm.config.vocab_size, seed=batch)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                             use_tqdm=False)
@@ -123,10 +125,9 @@ def _teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor
 
 @pytest.mark.parametrize("rank", [64])
 def test_bf16_live_lora_with_graphs_tracks_peft_forward(rank):
-    """bf16 with fp32 adapters, decode from captured graphs at batch 1 / 8 (the small GEMV) and
-    40 (a 33..64-row bucket: the GEMV taken for live LoRA only; its prefill runs cuBLAS plus
-    the expand kernel): each sampled token's logprob against PEFT's forward over the same
-    tokens. The adapter moves those logprobs far more than the engine differs from PEFT."""
+    """bf16 with fp32 adapters, decode from captured graphs at batch 1 / 8 (the GEMV with the
+    adapter folded in) and 40 (cuBLAS, the shrink and the expand kernel, as every prefill here):
+    each sampled token's logprob against PEFT's forward over the same tokens. The adapter moves those logprobs far more than the engine differs from PEFT."""
     pm = _peft(torch.bfloat16, rank, seed=rank)
     llm = LLM(pm, max_model_len=512, max_num_seqs=64, num_kv_pages=256)
     for batch in (1, 8, 40):

@@ -241,7 +241,41 @@ def test_lora_small_needs_an_adapter_and_the_row_limit():
     torch.testing.assert_close(out.double(), _reference(big, adapted), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernels", [Kernels(), *GEMV], ids=["cublas", "small", "lora_small"])
+def test_batches_past_the_gemv_run_one_shrink_per_group_and_expand_per_adapter(monkeypatch):
+    """Past the GEMV's rows (`lora_expand`): W x from cuBLAS, one shrink launch per group, one
+    expand launch per adapted projection, nothing for an unadapted one (off CUDA the ops' torch
+    paths, the kernels' contract)."""
+    torch.manual_seed(5)
+    calls = {"shrink": 0, "expand": 0}
+    for name in calls:
+        op = getattr(lk, f"lora_{name}")
+        monkeypatch.setattr(lk, f"lora_{name}",
+                            lambda *a, _op=op, _name=name, **kw: calls.__setitem__(_name, calls[_name] + 1) or _op(*a, **kw))
+    kernels = Kernels(lora_expand=True)
+    x = torch.randn(lk.MAX_ROWS + 9, 256)
+    q, k, v = _projection(96, 256, 16, 2.0), _projection(32, 256, 0, 1.0), _projection(32, 256, 64, 0.5)
+    outputs = project_group(x, [q, k, v], kernels)
+    assert calls == {"shrink": 1, "expand": 2}
+    for out, p in zip(outputs, (q, k, v)):
+        assert out.shape == (x.shape[0], p.weight.shape[0])
+        torch.testing.assert_close(out.double(), _reference(x, p), rtol=1e-5, atol=1e-4)
+    gate, up, down = _projection(64, 256, 8, 2.0), _projection(64, 256, 8, 2.0), _projection(256, 64, 16, 0.5)
+    for act in (F.silu, functools.partial(F.gelu, approximate="tanh")):
+        got = gated_act(x, gate, up, act, kernels)
+        torch.testing.assert_close(got.double(), act(_reference(x, gate)) * _reference(x, up), rtol=1e-5, atol=1e-4)
+    hidden = torch.randn(x.shape[0], 64)
+    torch.testing.assert_close(linear(hidden, down, kernels).double(), _reference(hidden, down), rtol=1e-5, atol=1e-4)
+    assert calls == {"shrink": 4, "expand": 7}
+    # Not this path: plain groups, two live adapters, ranks past the kernels' limit.
+    two = Linear(torch.randn(64, 256), None, gate.lora + up.lora)
+    for group in ([_projection(64, 256, 0, 1.0)], [two], [_projection(64, 256, lk.MAX_RANK * 2, 0.25)]):
+        out = project_group(x, group, kernels)[0]
+        torch.testing.assert_close(out.double(), _reference(x, group[0]), rtol=1e-5, atol=1e-4)
+    assert calls == {"shrink": 4, "expand": 7}
+
+
+@pytest.mark.parametrize("kernels", [Kernels(), *GEMV, Kernels(lora_expand=True)],
+                         ids=["cublas", "small", "lora_small", "lora_expand"])
 def test_lora_request_rows_take_their_adapter_instead_of_the_live_one(kernels):
     """Rows with a LoRARequest use their adapter instead of the live one (vLLM's rule), whatever
     path the step's size picks: such projections leave the GEMV for the masked path."""

@@ -12,11 +12,12 @@ Live LoRA (one adapter per projection, no LoRARequest rows) runs at nearly the b
 launch count: the adapters of projections that share an input (q/k/v, gate/up) get one shrink
 launch (`kernels.lora`: s * A x over PEFT's fp32 A, in place), and
 up to the GEMV's row limit (`Kernels.small`) the GEMV adds B (s A x) to its fp32 sums, so q/k/v
-stay one launch feeding the q/k/v epilogue and gate/up one launch with SiLU-mul.
-Everything else (more rows, LoRARequest rows, several live adapters on one layer, 4-bit weights,
-ranks past `kernels.lora.MAX_RANK`, CPU) runs `_add_low_rank`. (`kernels.lora.lora_expand`, the
-cuBLAS + expand path for more rows, passes its interpreter tests but has not run on a GPU yet,
-so it is not routed.)
+stay one launch feeding the q/k/v epilogue and gate/up one launch with SiLU-mul. Larger CUDA
+batches (`Kernels.lora_expand`: big decode batches, prefill) run cuBLAS for W x, the same one
+shrink per group, and one expand launch per projection that adds B (s A x) and rounds once, where
+the unfused path casts PEFT's fp32 A and B every step and launches five kernels per projection.
+Everything else (LoRARequest rows, several live adapters on one layer, 4-bit weights, ranks past
+`kernels.lora.MAX_RANK`, CPU) runs `_add_low_rank`.
 """
 from __future__ import annotations
 
@@ -37,13 +38,15 @@ class Kernels:
     most its row limit; `pdl`: launched with programmatic dependent launch), and the q/k/v
     epilogue kernel after the projections in decode, and the grouped GEMV of small MoE steps.
     `lora_small`: projections with a live adapter run the GEMV with the adapter folded in, at
-    up to `lora_kernels.MAX_ROWS` rows."""
+    up to `lora_kernels.MAX_ROWS` rows; `lora_expand`: past those rows they run cuBLAS, the
+    shrink and the expand kernel."""
 
     small: bool = False
     pdl: bool = True
     epilogue: bool = True
     expert_rows: int = 0      # MoE steps of at most this many (token, expert) rows: grouped GEMV
     lora_small: bool = False
+    lora_expand: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,8 @@ def read_linear(module: torch.nn.Module, merged=None) -> Linear:
 
 def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Tensor:
     """x @ W^T + b + sum(scaling * B (A x)) for (T, in) rows."""
-    if len(p.lora) > 0 and _on_gemv(x, [p], kernels):
-        # The GEMV with the adapter folded in: a group of one.
+    if len(p.lora) > 0 and (_on_gemv(x, [p], kernels) or _on_expand([p], kernels)):
+        # The GEMV with the adapter folded in, or cuBLAS + expand: a group of one.
         return finish_group(project_group(x, [p], kernels), [p], x.dtype)[0]
     if p.quant is not None:
         out = project_4bit(x, p.weight, p.quant, p.bias)
@@ -155,6 +158,26 @@ def _on_gemv(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bo
     return rows_fit and (not x.is_cuda or all(gemv.weight_supported(p.weight) for p in projections))
 
 
+def _on_expand(projections: list[Linear], kernels: Kernels) -> bool:
+    """These projections run cuBLAS + the expand kernel: a batch past the GEMV whose live
+    adapters the kernels take."""
+    return (kernels.lora_expand and all(_fusable(p) for p in projections)
+            and any(len(p.lora) > 0 for p in projections))
+
+
+def _expand_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:
+    """Each projection's W x + b from cuBLAS, then B (s A x) added by the expand kernel (rounded
+    once, PEFT's order), the group's s A x from one shrink launch."""
+    low_rank, lora_b = _shrink(x, projections, kernels)
+    r_block = lora_kernels.rank_block([0 if b is None else b.shape[1] for b in lora_b])
+    outs = []
+    for slot, (p, b) in enumerate(zip(projections, lora_b)):
+        out = F.linear(x, p.weight, p.bias)
+        outs.append(out if b is None else lora_kernels.lora_expand(out, low_rank, b, slot, r_block,
+                                                                   kernels.pdl))
+    return outs
+
+
 def _shrink(x: torch.Tensor, projections: list[Linear], kernels: Kernels):
     """s * A x of the projections' live adapters in one launch (fp32 partials, slot i for
     projection i), and each projection's B (None without an adapter); (None, Nones) when none
@@ -173,14 +196,19 @@ def project_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) 
     """Several projections of one input (q/k/v). Small batches run as one GEMV launch (live
     adapters folded in: one more launch computes their s * A x) and come back as fp32 partial
     sums (split, T, width) each, for a consumer that sums them (the q/k/v epilogue, or
-    `finish_group`); otherwise each is a full (T, out) result with its bias."""
-    if len(projections) <= 3 and _on_gemv(x, projections, kernels):
+    `finish_group`); otherwise each is a full (T, out) result with its bias (larger batches with
+    live adapters: one shrink launch for the group, then cuBLAS + expand per projection)."""
+    if len(projections) > 3:
+        return [linear(x, p, kernels) for p in projections]
+    if _on_gemv(x, projections, kernels):
         widths = [p.weight.shape[0] for p in projections]
         weights = [p.weight for p in projections] + [None] * (3 - len(projections))
         low_rank, lora_b = _shrink(x, projections, kernels)
         partials = gemv.small_linear(x, *weights, pdl=kernels.pdl, low_rank=low_rank,
                                      b0=lora_b[0], b1=lora_b[1], b2=lora_b[2])
         return list(partials.split(widths, dim=-1))
+    if _on_expand(projections, kernels):
+        return _expand_group(x, projections, kernels)
     return [linear(x, p, kernels) for p in projections]
 
 

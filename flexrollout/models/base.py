@@ -277,11 +277,12 @@ class DecoderForward:
         positions = meta.positions
         rope = {key: (cos[positions], sin[positions]) for key, (cos, sin) in self._rope.items()}
         small = input_ids.is_cuda and input_ids.shape[0] <= self.options.small_rows
-        lora_small = (input_ids.is_cuda and self.options.small_rows > 0
-                      and input_ids.shape[0] <= LORA_MAX_ROWS)
+        # The live-LoRA kernels run where the GEMV's do (CUDA, small_batch_kernels on).
+        lora_kernels = input_ids.is_cuda and self.options.small_rows > 0
+        lora_small = lora_kernels and input_ids.shape[0] <= LORA_MAX_ROWS
         kernels = Kernels(small=small, pdl=self.options.gemv_pdl, epilogue=self.options.qkv_epilogue,
                           expert_rows=self.options.expert_rows if input_ids.is_cuda else 0,
-                          lora_small=lora_small)
+                          lora_small=lora_small, lora_expand=lora_kernels and not lora_small)
         return Step(meta, cache, rope, kernels, {})
 
     def _eager(self, meta: AttentionMetadata) -> bool:
