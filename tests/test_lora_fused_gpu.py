@@ -54,8 +54,8 @@ def _relerr(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_folded_gemv_bf16_at_qwen3_4b_shapes(rank, rows):
     """q/k/v (v unadapted), gate/up with SiLU-mul, o and down as the engine calls them: within
     PEFT's own bf16 error of float64 (one rounding instead of PEFT's two). Up to the GEMV's LoRA
-    rows (32) the GEMV with the adapter folded in; past them cuBLAS plus the expand kernel, as
-    the engine routes them."""
+    rows (32) the GEMV with the adapter folded in; past them cuBLAS, the shrink and the expand
+    kernel (`Kernels.lora_expand`, which the engine turns on once this passes)."""
     g = torch.Generator().manual_seed(rank * 100 + rows)
     q, k, v = _projection(4096, 2560, rank, g), _projection(1024, 2560, rank, g), _projection(1024, 2560, 0, g)
     gate, up = _projection(9728, 2560, rank, g), _projection(9728, 2560, rank, g)
@@ -100,8 +100,8 @@ def _prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def test_fp32_live_lora_with_graphs_matches_peft_greedy():
-    """fp32, batches of 1 and 12 (the GEMV with the adapter folded in) and 40 (cuBLAS + shrink +
-    expand, as every prefill) on one engine: tokens equal HF generate on the PEFT model."""
+    """fp32, batches of 1 and 12 (the GEMV with the adapter folded in) and 40 (past its rows) on
+    one engine: tokens equal HF generate on the PEFT model."""
     pm = _peft(torch.float32, 16, seed=1)
     llm = LLM(pm, max_model_len=512, max_num_seqs=48, num_kv_pages=256)
     for batch in (1, 12, 40):
@@ -126,8 +126,7 @@ def _teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor
 @pytest.mark.parametrize("rank", [64])
 def test_bf16_live_lora_with_graphs_tracks_peft_forward(rank):
     """bf16 with fp32 adapters, decode from captured graphs at batch 1 / 8 (the GEMV with the
-    adapter folded in) and 40 (cuBLAS, the shrink and the expand kernel, as every prefill here):
-    each sampled token's logprob against PEFT's forward over the same tokens. The adapter moves those logprobs far more than the engine differs from PEFT."""
+    adapter folded in) and 40 (past its rows): each sampled token's logprob against PEFT's forward over the same tokens. The adapter moves those logprobs far more than the engine differs from PEFT."""
     pm = _peft(torch.bfloat16, rank, seed=rank)
     llm = LLM(pm, max_model_len=512, max_num_seqs=64, num_kv_pages=256)
     for batch in (1, 8, 40):
