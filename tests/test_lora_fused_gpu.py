@@ -55,7 +55,7 @@ def test_folded_gemv_bf16_at_qwen3_4b_shapes(rank, rows):
     """q/k/v (v unadapted), gate/up with SiLU-mul, o and down as the engine calls them: within
     PEFT's own bf16 error of float64 (one rounding instead of PEFT's two). Up to the GEMV's LoRA
     rows (32) the GEMV with the adapter folded in; past them cuBLAS, the shrink and the expand
-    kernel (`Kernels.lora_expand`, which the engine turns on once this passes)."""
+    kernel (`Kernels.lora_expand`)."""
     g = torch.Generator().manual_seed(rank * 100 + rows)
     q, k, v = _projection(4096, 2560, rank, g), _projection(1024, 2560, rank, g), _projection(1024, 2560, 0, g)
     gate, up = _projection(9728, 2560, rank, g), _projection(9728, 2560, rank, g)

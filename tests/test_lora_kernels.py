@@ -31,7 +31,7 @@ _CHECK = textwrap.dedent("""
         pad = [None] * (3 - len(widths))
         x = torch.randn(m, k).to(dtype)
         low_rank = lk.launch(x, *(a_s + pad), scales + [1.0] * len(pad))
-        assert low_rank.shape[:2] == (lk.split_of(k), m), low_rank.shape
+        assert low_rank.shape[:2] == (lk.split_of(k, m), m), low_rank.shape
         tile = sl.tiling(m, sum(widths), k, silu, dtype) if split == "auto" else sl.Tiling(split=split)
         out = sl.launch(x, *(ws + pad), silu, tile, lora=(low_rank, *(b_s + pad)))
         # float64 reference: W x + s B (A x) per matrix.
@@ -134,7 +134,7 @@ _HOPPER_CHECK = textwrap.dedent("""
                      b1_ptr="*fp32", b2_ptr="*fp32")
         consts = dict(BLOCK_M=sl.row_block(m), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                       SILU_MUL=silu, IEEE=dtype == torch.float32, PDL=True, LORA=True,
-                      R=r_block, LA_SPLIT=lk.split_of(k))
+                      R=r_block, LA_SPLIT=lk.split_of(k, m))
         return compiled_shared(sl._kernel(), types, consts, tile.warps, tile.stages)
 
     def shrink(m, dtype, r_block=64):
@@ -303,12 +303,25 @@ def test_two_live_adapters_and_large_ranks_run_the_unfused_path():
         torch.testing.assert_close(out.double(), _reference(x, p), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 32, 64, 65, 1024, 8192])
+def test_shrink_slices_shrink_as_row_blocks_grow(rows):
+    """Decode batches split K up to MAX_SPLIT ways; prefill's row blocks already give the
+    programs, so its partials (which every expand program re-reads) stay about one x in fp32."""
+    k = 9728
+    split = lk.split_of(k, rows)
+    row_blocks = -(-rows // lk.row_block(rows))
+    assert 1 <= split <= max(1, lk.MAX_SPLIT // row_blocks)
+    assert split * lk.k_slice(k, rows) >= k > (split - 1) * lk.k_slice(k, rows)
+    if rows >= lk.MAX_SPLIT * 64:
+        assert split == 1
+
+
 def test_shrink_partials_off_cuda_match_a_plain_matmul():
     torch.manual_seed(4)
     x, a0, a2 = torch.randn(6, 640), torch.randn(8, 640), torch.randn(16, 640)
     parts = lk.lora_shrink(x, a0, None, a2, 2.0, 0.0, 0.5)
     r_block = lk.rank_block([8, 0, 16])
-    assert parts.shape == (lk.split_of(640), 6, 3 * r_block)
+    assert parts.shape == (lk.split_of(640, 6), 6, 3 * r_block)
     torch.testing.assert_close(lk.low_rank_sum(parts, 0, 8, r_block), 2.0 * x @ a0.T, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(lk.low_rank_sum(parts, 2, 16, r_block), 0.5 * x @ a2.T, rtol=1e-5, atol=1e-4)
     assert parts.sum(0)[:, r_block:2 * r_block].abs().max() == 0

@@ -13,11 +13,10 @@ launch count: the adapters of projections that share an input (q/k/v, gate/up) g
 launch (`kernels.lora`: s * A x over PEFT's fp32 A, in place), and
 up to the GEMV's row limit (`Kernels.small`) the GEMV adds B (s A x) to its fp32 sums, so q/k/v
 stay one launch feeding the q/k/v epilogue and gate/up one launch with SiLU-mul. Larger CUDA
-batches (`Kernels.lora_expand`: big decode batches, prefill) can run cuBLAS for W x, the same one
+batches (`Kernels.lora_expand`: big decode batches, prefill) run cuBLAS for W x, the same one
 shrink per group, and one expand launch per projection that adds B (s A x) and rounds once, where
 the unfused path casts PEFT's fp32 A and B every step and launches five kernels per projection.
-The engine does not turn `lora_expand` on yet: the expand kernel has passed its interpreter tests,
-not a GPU run. Everything else (more rows, LoRARequest rows, several live adapters on one layer,
+Everything else (more rows, LoRARequest rows, several live adapters on one layer,
 4-bit weights, ranks past `kernels.lora.MAX_RANK`, CPU) runs `_add_low_rank`.
 """
 from __future__ import annotations

@@ -277,14 +277,13 @@ class DecoderForward:
         positions = meta.positions
         rope = {key: (cos[positions], sin[positions]) for key, (cos, sin) in self._rope.items()}
         small = input_ids.is_cuda and input_ids.shape[0] <= self.options.small_rows
-        # The live-LoRA kernels run where the GEMV's do (CUDA, small_batch_kernels on).
-        # `Kernels.lora_expand` (past the GEMV's rows) stays off until the expand kernel's GPU
-        # tests (tests/test_lora_fused_gpu.py) have passed: it has not run on a GPU yet.
-        lora_small = (input_ids.is_cuda and self.options.small_rows > 0
-                      and input_ids.shape[0] <= LORA_MAX_ROWS)
+        # The live-LoRA kernels run where the GEMV's do (CUDA, small_batch_kernels on): the
+        # folded GEMV up to its rows, cuBLAS plus one expand per adapter past them.
+        lora_kernels = input_ids.is_cuda and self.options.small_rows > 0
+        lora_small = lora_kernels and input_ids.shape[0] <= LORA_MAX_ROWS
         kernels = Kernels(small=small, pdl=self.options.gemv_pdl, epilogue=self.options.qkv_epilogue,
                           expert_rows=self.options.expert_rows if input_ids.is_cuda else 0,
-                          lora_small=lora_small)
+                          lora_small=lora_small, lora_expand=lora_kernels and not lora_small)
         return Step(meta, cache, rope, kernels, {})
 
     def _eager(self, meta: AttentionMetadata) -> bool:
