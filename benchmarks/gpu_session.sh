@@ -34,7 +34,8 @@
 #   recheck_graphs : (carry .whl) the Qwen3.5 graph tests after the warm-up fix, then the GPU tests the
 #                    2026-12-05 run did not reach, slow real-width Gemma-4 last (failures summarised)
 #   lora_profile : where live LoRA's decode time goes: the shrink at several K splits and the folded
-#                  GEMV per projection group (lora_sweep.py), bs-1 and bs-8 profiles of Qwen3-4B with
+#                  GEMV per projection group, at 64 rows the expand path with its partials at several
+#                  splits or summed once (lora_sweep.py), bs-1 and bs-8 profiles of Qwen3-4B with
 #                  and without a live r=32 adapter on all seven projections
 #   gemma_compile : Inductor compile counts of Gemma-4-E2B against Qwen3-4B (compile_count.py), E2B decode
 #                   1 / 8 / 64 from cold compile caches (capture time), the bs-1 decode profile
@@ -221,7 +222,7 @@ recheck_graphs)
     | tail -30 > "$out/tests.txt"
   names="gpu tests" ;;
 lora_profile)
-  timeout 100 python3 benchmarks/lora_sweep.py 2>&1 | filter > "$out/lora_sweep.txt"
+  timeout 130 python3 benchmarks/lora_sweep.py --splits 8,32 2>&1 | filter > "$out/lora_sweep.txt"
   for args in "--batch 1" "--batch 1 --lora-rank 32" "--batch 8" "--batch 8 --lora-rank 32"; do
     echo "== $args"
     timeout 75 python3 benchmarks/profile_decode.py --preset qwen3-4b $args 2>&1 | filter | head -22

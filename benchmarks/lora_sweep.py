@@ -1,18 +1,22 @@
-"""What live LoRA adds to a small-batch projection on the GPU: the shrink launch (s A x over PEFT's
-fp32 A) at several K splits, and the GEMV with B (s A x) folded in, against the plain GEMV.
+"""What live LoRA adds to a projection on the GPU. Up to the GEMV's LoRA rows (32): the shrink
+launch (s A x over PEFT's fp32 A) at several K splits, and the GEMV with B (s A x) folded in,
+against the plain GEMV. Past them (the engine's expand path): cuBLAS per matrix plus one shrink
+and one expand per adapted matrix, against cuBLAS alone, with the shrink at several K splits and
+with its partials summed once before the expands (every expand program re-reads all partials).
 
 Qwen3-4B's four projection groups (q/k/v, o, gate/up with SiLU-mul, down), rank 32 adapters on
 every matrix, each timed from CUDA-graph replays of 8 launches over 8 weight copies (as in
 gemv_sweep.py, so L2 holds none of them), PDL on as in the engine. Prints microseconds per launch
 and, per row count, the extra time a decoder layer pays (sum over the groups).
 
-    python benchmarks/lora_sweep.py [--rows 1,8,32] [--rank 32] [--splits 8,16,32,80]
+    python benchmarks/lora_sweep.py [--rows 1,8,32,64] [--rank 32] [--splits 8,16,32,80]
 """
 from __future__ import annotations
 
 import argparse
 
 import torch
+import torch.nn.functional as F
 from gemv_sweep import SHAPES, graph_seconds
 
 from flexrollout.kernels import lora as lk
@@ -63,23 +67,55 @@ def measure(name: str, rows: int, rank: int, splits: list[int]) -> dict:
     return row
 
 
+def _expand_path(x, weights, lora_a, lora_b, scales, split: int, summed: bool) -> None:
+    """The engine's expand path for one group: one shrink, then cuBLAS + expand per matrix."""
+    low_rank = lk.launch(x, *lora_a, scales, pdl=True, max_split=split)
+    if summed:
+        low_rank = low_rank.sum(0, keepdim=True)
+    r_block = lk.rank_block([b.shape[1] for b in lora_b if b is not None])
+    for slot, (w, b) in enumerate(zip(weights, lora_b)):
+        lk.launch_expand(F.linear(x, w), low_rank, b, slot, r_block, pdl=True)
+
+
+def measure_expand(name: str, rows: int, rank: int, splits: list[int]) -> dict:
+    weights, lora_a, lora_b, x, _, _ = _group(name, rows, rank)
+    scales = [2.0, 2.0, 2.0]
+    row = {"group": name, "rows": rows}
+    row["cublas_us"] = _time(lambda i: [F.linear(x, w) for w in weights[i]])
+    for split in splits:
+        row[f"expand{split}_us"] = _time(lambda i, s=split: _expand_path(
+            x, weights[i], lora_a[i], lora_b[i], scales, s, summed=False))
+    row["expand_summed_us"] = _time(lambda i: _expand_path(
+        x, weights[i], lora_a[i], lora_b[i], scales, lk.MAX_SPLIT, summed=True))
+    return row
+
+
+def _print(results: list[dict], rows: int, rank: int, base: str) -> None:
+    keys = [k for k in results[0] if k.endswith("_us")]
+    print(f"rows {rows}, rank {rank}: microseconds per launch sequence")
+    print(f"{'group':8s}" + "".join(f"{k[:-3]:>22s}" for k in keys))
+    for r in results:
+        print(f"{r['group']:8s}" + "".join(f"{r[k]:22.2f}" for k in keys))
+    for key in keys:
+        if key != base:
+            extra = sum(r[key] - r[base] for r in results)
+            print(f"{key[:-3]} adds {extra:.1f} us per decoder layer at {rows} rows", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--rows", default="1,8,32,64")
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--splits", default="8,16,32,80")
     args = parser.parse_args()
     splits = [int(s) for s in args.splits.split(",")]
     for rows in (int(r) for r in args.rows.split(",")):
-        results = [measure(name, rows, args.rank, splits) for name in GROUPS]
-        keys = [k for k in results[0] if k.endswith("_us")]
-        print(f"rows {rows}, rank {args.rank}: microseconds per launch sequence")
-        print(f"{'group':8s}" + "".join(f"{k[:-3]:>22s}" for k in keys))
-        for r in results:
-            print(f"{r['group']:8s}" + "".join(f"{r[k]:22.2f}" for k in keys))
-        extra = sum(r["shrink_plus_folded_us"] - r["gemv_us"] for r in results)
-        print(f"live LoRA adds {extra:.1f} us per decoder layer at {rows} rows", flush=True)
-
+        if rows <= lk.MAX_ROWS:
+            results = [measure(name, rows, args.rank, splits) for name in GROUPS]
+            _print(results, rows, args.rank, "gemv_us")
+        else:
+            results = [measure_expand(name, rows, args.rank, splits) for name in GROUPS]
+            _print(results, rows, args.rank, "cublas_us")
 
 if __name__ == "__main__":
     main()
