@@ -40,8 +40,9 @@
 #   gemma_compile : Inductor compile counts of Gemma-4-E2B against Qwen3-4B (compile_count.py), E2B decode
 #                   1 / 8 / 64 from cold compile caches (capture time), the bs-1 decode profile
 #   lora_nf4 : (carry .whl) the open questions of 2026-12-05: the expand path's partials at 64 rows
-#              (lora_sweep.py), Qwen3-4B NF4 decode 1 / 8 / 64 against HF now that 4-bit steps replay
-#              graphs, and where NF4's batch-1 step goes (profile)
+#              (lora_sweep.py), where a batch-8 step mixing 4 LoRARequest adapters goes (profile),
+#              Qwen3-4B NF4 decode 1 / 8 / 64 against HF now that 4-bit steps replay graphs, and
+#              where NF4's batch-1 step goes (profile)
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
 mkdir -p "$out"
@@ -233,11 +234,13 @@ lora_profile)
   names="gpu lora_sweep lora_profile" ;;
 lora_nf4)
   timeout 100 python3 benchmarks/lora_sweep.py --rows 1,64 --splits 8,32 2>&1 | filter > "$out/lora_sweep.txt"
+  timeout 90 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 8 --lora-requests 4 2>&1 \
+    | filter | head -24 > "$out/requests_profile.txt"
   bench 200 --preset qwen3-4b --batch-sizes 1,8,64 --quantization bnb-nf4 --compare hf --hf-max-tokens 16 \
     --json "$out/nf4.json" | tail -6 > "$out/nf4.txt"
   timeout 120 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 1 --quantization bnb-nf4 2>&1 \
     | filter | head -30 > "$out/nf4_profile.txt"
-  names="gpu lora_sweep nf4 nf4_profile" ;;
+  names="gpu lora_sweep requests_profile nf4 nf4_profile" ;;
 gemma_compile)
   for preset in gemma-4-e2b qwen3-4b; do
     timeout 150 python3 benchmarks/compile_count.py --preset $preset --batch-sizes 1,8,64 2>&1 | filter | tail -12

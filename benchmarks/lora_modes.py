@@ -32,7 +32,7 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _random_requests(model, rank: int, count: int) -> list[LoRARequest]:
+def random_requests(model, rank: int, count: int) -> list[LoRARequest]:
     """`count` adapters of rank `rank` on every projection in ALL, as PEFT would save them."""
     config = {"r": rank, "lora_alpha": 2 * rank, "target_modules": ALL}
     requests = []
@@ -69,7 +69,7 @@ def main() -> None:
         vocab = model.config.vocab_size
         base = LLM(model, max_model_len=1024, max_num_seqs=max(batches), gpu_memory_utilization=0.3)
         rows = {f"base_bs{b}": max(run_decode(base, b, 128, args.max_tokens, vocab)) for b in batches}
-        mix = [None, *_random_requests(model, rank, args.requests)]
+        mix = [None, *random_requests(model, rank, args.requests)]
         rows.update({f"requests{args.requests}_bs{b}": max(run_decode(base, b, 128, args.max_tokens, vocab,
                                                                       lora_requests=mix)) for b in batches})
         del base, mix

@@ -3,7 +3,7 @@
 The prefill is taken out: the same prompts are profiled once with one new token, and those
 kernel times (and that wall time) are subtracted, leaving steps - 1 decode steps.
 
-    python benchmarks/profile_decode.py --preset qwen3-4b --batch 8 [--lora-rank 32]
+    python benchmarks/profile_decode.py --preset qwen3-4b --batch 8 [--lora-rank 32 | --lora-requests 4]
 """
 from __future__ import annotations
 
@@ -33,10 +33,11 @@ def _category(name: str) -> str:
     return "elementwise/other"
 
 
-def _kernel_times(llm, prompts, params) -> tuple[dict[str, float], int]:
-    """GPU microseconds per kernel name for one generate call, and the number of launches."""
+def _kernel_times(llm, prompts, params, rows) -> tuple[dict[str, float], int]:
+    """GPU microseconds per kernel name for one generate call, and the number of launches.
+    `rows`: each prompt's LoRARequest (None: none), or None."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False, lora_request=rows)
         torch.cuda.synchronize()
     times: dict[str, float] = defaultdict(float)
     launches = 0
@@ -48,10 +49,10 @@ def _kernel_times(llm, prompts, params) -> tuple[dict[str, float], int]:
     return times, launches
 
 
-def _wall(llm, prompts, params) -> float:
+def _wall(llm, prompts, params, rows) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=False, lora_request=rows)
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -59,9 +60,10 @@ def _wall(llm, prompts, params) -> float:
 def _replay_ms(llm, batch: int) -> float:
     """One captured decode step replayed with no host work between replays: what the step
     costs on the GPU with its launch gaps, against the wall clock above (which adds host gaps)."""
-    captured = llm.llm_engine.runner.graphs.graphs      # {(bucket, sampler mode): (graph, outputs)}
-    bucket = min(b for b, _ in captured if b >= batch)
-    graph = next(g for (b, _), (g, _) in captured.items() if b == bucket)
+    # {(bucket, sampler mode, state versions): (graph, outputs)}
+    captured = llm.llm_engine.runner.graphs.graphs
+    bucket = min(key[0] for key in captured if key[0] >= batch)
+    graph = next(g for key, (g, _) in captured.items() if key[0] == bucket)
     graph.replay()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -81,6 +83,9 @@ def main() -> None:
     parser.add_argument("--quantization", choices=("bnb-nf4", "bnb-fp4"), help="4-bit base weights")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="live PEFT LoRA of this rank on all seven projections")
+    parser.add_argument("--lora-requests", type=int, default=0,
+                        help="rows cycle over no adapter and this many LoRARequest adapters "
+                             "(rank 32, every projection), as benchmarks/lora_modes.py mixes them")
     args = parser.parse_args()
     model = random_model(args.preset, torch.bfloat16, "cuda", 4096)
     if args.quantization:
@@ -93,13 +98,19 @@ def main() -> None:
     llm = LLM(model, max_model_len=2048, max_num_seqs=max(args.batch, 8), gpu_memory_utilization=0.5,
               gemv_pdl=not args.no_pdl)
     prompts = [{"prompt_token_ids": list(range(10 + i, 138 + i))} for i in range(args.batch)]
+    rows = None
+    if args.lora_requests:
+        from lora_modes import random_requests
+
+        mix = [None, *random_requests(model, 32, args.lora_requests)]
+        rows = [mix[i % len(mix)] for i in range(args.batch)]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.steps, ignore_eos=True)
     prefill_only = SamplingParams(temperature=args.temperature, max_tokens=1, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=False, lora_request=rows)
     steps = args.steps - 1
-    wall = _wall(llm, prompts, params) - _wall(llm, prompts, prefill_only)
+    wall = _wall(llm, prompts, params, rows) - _wall(llm, prompts, prefill_only, rows)
     (full, full_launches), (prefill, prefill_launches) = (
-        _kernel_times(llm, prompts, params), _kernel_times(llm, prompts, prefill_only))
+        _kernel_times(llm, prompts, params, rows), _kernel_times(llm, prompts, prefill_only, rows))
     by_name = {name: us - prefill.get(name, 0.0) for name, us in full.items()}
     by_cat: dict[str, float] = defaultdict(float)
     for name, us in by_name.items():
