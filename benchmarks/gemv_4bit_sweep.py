@@ -1,7 +1,9 @@
 """4-bit projections at Qwen3-4B's shapes on the GPU: flexrollout's Triton GEMV against
 bitsandbytes' own ops (`matmul_4bit`, which takes its fused GEMV for one row, and dequantise +
-matmul) and the 16-bit cuBLAS matmul, by row count. Prints which bitsandbytes library loaded
-(a missing native library makes bitsandbytes fall back to torch code).
+matmul) and the 16-bit cuBLAS matmul, by row count. Each is timed as the engine runs it: from
+CUDA-graph replays (no Python launch cost), cycling over 8 weight copies so that L2 holds none.
+Prints which bitsandbytes library loaded (a missing native library makes bitsandbytes fall back
+to torch code).
 
     python benchmarks/gemv_4bit_sweep.py [--rows 1,4,8,16,32,64] [--json OUT]
 """
@@ -12,22 +14,21 @@ import json
 import logging
 
 import torch
+from gemv_sweep import graph_seconds
 
 logger = logging.getLogger(__name__)
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
+COPIES = 8
 
 
-def _time_us(fn, iters: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
+def _time_us(fn) -> float:
+    """Microseconds per call of `fn(i)` over the COPIES weight copies, replayed from a graph."""
+    state = {"i": 0}
+
+    def step():
+        fn(state["i"] % COPIES)
+        state["i"] += 1
+    return graph_seconds(step, reps=COPIES) * 1e6
 
 
 def main() -> None:
@@ -46,11 +47,11 @@ def main() -> None:
                  getattr(getattr(lib, "lib", None), "_name", getattr(lib, "BNB_BACKEND", "?")))
     results = []
     for name, (n, k) in SHAPES.items():
-        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        packed, state = bf.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
-        packed_bytes = packed.numel() + state_bytes(state)
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+        quantized = [bf.quantize_4bit(w, quant_type="nf4", compress_statistics=True) for w in weights]
+        packed_bytes = quantized[0][0].numel() + state_bytes(quantized[0][1])
         for m in [int(r) for r in args.rows.split(",")]:
-            row = _row(name, m, weight, packed, state, packed_bytes)
+            row = _row(name, m, weights, quantized, packed_bytes)
             results.append(row)
             logger.info("%-8s M=%-3d %s", name, m, "  ".join(
                 f"{k[:-3]} {v:7.1f}us" for k, v in row.items() if k.endswith("_us")))
@@ -59,20 +60,22 @@ def main() -> None:
             json.dump(results, f, indent=1)
 
 
-def _row(name, m, weight, packed, state, packed_bytes) -> dict:
+def _row(name, m, weights, quantized, packed_bytes) -> dict:
     """Microseconds and packed-bytes bandwidth of each way to run one projection of m rows."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as bf
 
     from flexrollout.kernels import gemv_4bit
 
-    x = torch.randn(m, weight.shape[1], device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, weights[0].shape[1], device="cuda", dtype=torch.bfloat16)
     row = {"shape": name, "rows": m, "packed_MB": packed_bytes / 1e6}
-    if gemv_4bit.supported(x, state):
-        row["flex_us"] = _time_us(lambda: gemv_4bit.project(x, packed, state))
-    row["bnb_matmul_4bit_us"] = _time_us(lambda: bnb.matmul_4bit(x, packed.t(), quant_state=state))
-    row["dequant_matmul_us"] = _time_us(lambda: torch.nn.functional.linear(x, bf.dequantize_4bit(packed, state)))
-    row["bf16_cublas_us"] = _time_us(lambda: torch.nn.functional.linear(x, weight))
+    if gemv_4bit.supported(x, quantized[0][1]):
+        row["flex_us"] = _time_us(lambda i: gemv_4bit.project(x, *quantized[i]))
+    row["bnb_matmul_4bit_us"] = _time_us(
+        lambda i: bnb.matmul_4bit(x, quantized[i][0].t(), quant_state=quantized[i][1]))
+    row["dequant_matmul_us"] = _time_us(
+        lambda i: torch.nn.functional.linear(x, bf.dequantize_4bit(*quantized[i])))
+    row["bf16_cublas_us"] = _time_us(lambda i: torch.nn.functional.linear(x, weights[i]))
     for key in [k for k in row if k.endswith("_us")]:
         row[key.replace("_us", "_GBs")] = packed_bytes / row[key] / 1e3
     return row

@@ -41,8 +41,9 @@
 #                   1 / 8 / 64 from cold compile caches (capture time), the bs-1 decode profile
 #   lora_nf4 : (carry .whl) the open questions of 2026-12-05: the expand path's partials at 64 rows
 #              (lora_sweep.py), where a batch-8 step mixing 4 LoRARequest adapters goes (profile),
-#              Qwen3-4B NF4 decode 1 / 8 / 64 against HF now that 4-bit steps replay graphs, and
-#              where NF4's batch-1 step goes (profile)
+#              Qwen3-4B NF4 decode 1 / 8 / 64 against HF now that 4-bit steps replay graphs,
+#              where NF4's batch-1 step goes (profile), and the rewritten 4-bit GEMV against
+#              bitsandbytes' ops (gemv_4bit_sweep.py; its GPU test first)
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
 mkdir -p "$out"
@@ -240,7 +241,9 @@ lora_nf4)
     --json "$out/nf4.json" | tail -6 > "$out/nf4.txt"
   timeout 120 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 1 --quantization bnb-nf4 2>&1 \
     | filter | head -30 > "$out/nf4_profile.txt"
-  names="gpu lora_sweep requests_profile nf4 nf4_profile" ;;
+  gputest 120 tests/test_quant4bit.py -k kernel_on_cuda | tail -4 > "$out/kernel_test.txt"
+  timeout 90 python3 benchmarks/gemv_4bit_sweep.py --rows 1,8,16 2>&1 | filter | tail -20 > "$out/gemv_4bit.txt"
+  names="gpu lora_sweep requests_profile nf4 nf4_profile kernel_test gemv_4bit" ;;
 gemma_compile)
   for preset in gemma-4-e2b qwen3-4b; do
     timeout 150 python3 benchmarks/compile_count.py --preset $preset --batch-sizes 1,8,64 2>&1 | filter | tail -12

@@ -147,7 +147,7 @@ _HOPPER_CHECK = textwrap.dedent("""
     def expand(m, dtype, r_block=64):
         t = "*" + TYPES[dtype]
         types = dict(base_ptr=t, la_ptr="*fp32", b_ptr="*fp32", out_ptr=t)
-        consts = dict(BLOCK_M=sl.row_block(m), BLOCK_N=128, R=r_block, LA_SPLIT=8,
+        consts = dict(BLOCK_M=sl.row_block(m), BLOCK_N=128, R=r_block, LA_SPLIT=lk.split_of(9728, m),
                       IEEE=dtype == torch.float32, PDL=True)
         return compiled_shared(lk._expand_kernel(), types, consts, 4, 1)
 

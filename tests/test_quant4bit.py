@@ -240,11 +240,11 @@ _KERNEL_CHECK = textwrap.dedent("""
 KERNEL_CASES = [
     # (quant_type, nested, m, n, k, x dtype, weight (quant state) dtype, blocksize, split)
     ("nf4", True, 1, 96, 256, "bfloat16", "bfloat16", 64, "None"),
-    ("nf4", False, 5, 70, 200, "float32", "float32", 64, 2),         # K not a multiple of the tile
-    ("fp4", True, 7, 64, 330, "bfloat16", "bfloat16", 64, 2),        # blocks straddle rows
+    ("nf4", False, 5, 70, 320, "float32", "float32", 64, 2),         # K not a multiple of the slice
+    ("fp4", True, 7, 64, 576, "bfloat16", "bfloat16", 64, 2),        # 9 blocks a row
     ("fp4", False, 16, 130, 384, "float32", "bfloat16", 64, 3),      # bf16 weights, fp32 rows
     ("nf4", True, 3, 40, 512, "float16", "float16", 128, 4),
-    ("nf4", False, 2, 33, 130, "float16", "bfloat16", 64, 1),        # two roundings, as bnb + .to()
+    ("nf4", False, 2, 33, 128, "float16", "bfloat16", 32, 1),        # two roundings, as bnb + .to()
 ]
 
 
@@ -255,6 +255,58 @@ def test_4bit_kernel_matches_bitsandbytes_in_triton_interpreter(case):
     run_fresh_python(_KERNEL_CHECK.format(seed=m, quant_type=quant_type, nested=nested, m=m, n=n, k=k,
                                           x_dtype=x_dtype, w_dtype=w_dtype, blocksize=blocksize,
                                           split=split), triton_interpret=True)
+
+
+# The CUDA path (dots in x's dtype, native rounding casts) is what the interpreter does not run:
+# compiled here for Hopper (sm_90, Triton's own ptxas, no GPU) at Qwen3-4B's down shape.
+_HOPPER_CHECK = textwrap.dedent("""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from flexrollout.kernels import gemv_4bit
+
+    fn = gemv_4bit._kernel()
+    for x_type, w_type, nested, blocksize in (("bf16", "bf16", True, 64), ("fp16", "bf16", False, 128),
+                                              ("fp32", "fp32", True, 64)):
+        types = dict(x_ptr="*" + x_type, packed_ptr="*u8", absmax_ptr="*u8" if nested else "*fp32",
+                     code_ptr="*fp32", absmax2_ptr="*fp32", code2_ptr="*fp32", offset_ptr="*fp32",
+                     out_ptr="*fp32")
+        consts = dict(BLOCKSIZE=blocksize, BLOCKSIZE2=256, NESTED=nested,
+                      W_DTYPE=tl.bfloat16 if w_type == "bf16" else tl.float32,
+                      X_DTYPE={"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[x_type],
+                      EMULATE=False, BLOCK_M=16, BLOCK_N=gemv_4bit.BLOCK_N)
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+        src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": 4, "num_stages": 4})
+        assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+        print(x_type, w_type, nested, blocksize, kernel.metadata.shared)
+""")
+
+
+def test_4bit_kernel_compiles_for_hopper():
+    triton = pytest.importorskip("triton")
+    if not hasattr(triton, "compile"):
+        pytest.skip("this Triton cannot compile ahead of time")
+    run_fresh_python(_HOPPER_CHECK, triton_interpret=False)
+
+
+def test_4bit_kernel_takes_only_rows_of_whole_blocks(monkeypatch):
+    """Blocks that straddle two rows (K not a multiple of the block size) and block sizes past
+    the kernel's tile are left to bitsandbytes' ops: `supported` says no and `launch` refuses,
+    naming the shapes."""
+    from flexrollout.kernels import gemv_4bit
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for k, blocksize, ok in ((256, 64, True), (330, 64, False), (1024, 512, False)):
+        packed, state = bnb.functional.quantize_4bit(torch.randn(8, k), blocksize=blocksize,
+                                                     quant_type="nf4")
+        x = torch.randn(2, k)
+        assert gemv_4bit.supported(x, state) is ok
+        if not ok:
+            with pytest.raises(ValueError, match="whole blocks"):
+                gemv_4bit.launch(x, packed, state)
 
 
 @pytest.mark.gpu

@@ -1,23 +1,31 @@
 """Small-batch projections over bitsandbytes 4-bit weights: a Triton split-K GEMV that reads the
-packed nibbles and the per-block absmax and dequantises in registers.
+packed nibbles and the per-block absmax where bitsandbytes keeps them and dequantises in registers.
 
 The layout is bitsandbytes 0.50's (its reference `quantize_4bit` / `dequantize_4bit` in
 `bitsandbytes/backends/default/ops.py`): the (N, K) weight is flattened row-major and element
 `i` is byte `i // 2`'s high nibble when `i` is even, its low nibble when odd; each nibble indexes
 the 16-entry code (nf4 or fp4), scaled by `absmax[i // blocksize]` in fp32 and rounded to the
-quant state's dtype. Blocks follow the flat index, so with K not a multiple of the block size a
-block straddles two rows. Double quantisation stores absmax as uint8 codes:
+quant state's dtype. Double quantisation stores absmax as uint8 codes:
 `absmax = code2[q] * absmax2[j // blocksize2] + offset` (fp32), as `dequantize_blockwise` does.
 
-A decode step multiplies a few rows by the weight, so the bytes read are what counts: about a
-quarter of the 16-bit weight's (plus absmax), and no dequantised weight is ever written. Results
-come back as fp32 partials (split, M, N) summed by the caller, like `small_linear`.
+The kernel serves weights whose rows hold whole quantisation blocks (K a multiple of the block
+size: every real model's widths are): each loop step covers one block of K, so a row's scale
+is one value per step (nested or not, computed once per row, not per element), and the block's
+bytes split into the high nibbles (even elements) and low nibbles (odd elements), which meet
+x's even and odd columns in two dots: no interleave and no per-element index arithmetic. What
+remains per element is one lookup in the 64-byte code table (one cache line) and the scale.
 
-Not routed by the engine: measured on an H200 (benchmarks/gemv_4bit_sweep.py, 2026-12-04) it
-takes 375-1,690 us per Qwen3-4B projection, 8-40x bitsandbytes' own ops (its fused GEMV at one
-row, dequantise + matmul above), so `layers/quant.py` runs those. The likely cost is three
-gathers per weight element (code, absmax, nested absmax) at small_linear's untuned tiling;
-per-block scales and a register code table are the next step, measured with that sweep.
+The weight each product sees is bitsandbytes' dequantised weight bit for bit (rounded to its
+dtype, then to x's); on CUDA the dots run in x's dtype with fp32 sums. Under Triton's interpreter
+(CPU tests) the same values are rounded by bit arithmetic and multiplied in fp32, since the
+interpreter truncates fp32 -> bf16 casts and multiplies bf16 dot operands as integers.
+
+Results come back as fp32 partials (split, M, N) summed by the caller, like `small_linear`.
+
+Not routed by the engine until measured: the first version (per-element index arithmetic and
+three gathers per element) took 375-1,690 us per Qwen3-4B projection on an H200
+(benchmarks/gemv_4bit_sweep.py, 2026-12-04), 8-40x bitsandbytes' own ops, which
+`layers/quant.py` runs.
 """
 from __future__ import annotations
 
@@ -29,7 +37,8 @@ import torch
 # Largest row count this kernel serves (one 16-row tile: the matrix units' smallest operand).
 MAX_ROWS = 16
 BLOCK_N = 64
-BLOCK_K = 128
+# Quantisation block sizes it takes: a loop step holds a (BLOCK_N, blocksize / 2) byte tile.
+BLOCKSIZES = (32, 64, 128, 256)
 # Split K until there are this many programs (the H200 has 132 SMs), as small_linear does.
 MIN_PROGRAMS = 256
 MAX_SPLIT = 8
@@ -39,17 +48,18 @@ _TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float1
 
 def supported(x: torch.Tensor, quant_state) -> bool:
     """Whether this kernel can run x @ W^T for a weight with this quant state: a 2-D CUDA
-    batch of at most MAX_ROWS 16/32-bit rows, an even input width (each row starts on a byte).
+    batch of at most MAX_ROWS 16/32-bit rows over rows of whole quantisation blocks.
     Under Triton's interpreter (TRITON_INTERPRET=1, tests) CPU batches run it too."""
     on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
     return (on_device and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.stride(1) == 1
             and x.dtype in _TL_DTYPES and quant_state.dtype in _TL_DTYPES
-            and quant_state.shape[1] % 2 == 0 and quant_state.quant_type in ("nf4", "fp4"))
+            and quant_state.blocksize in BLOCKSIZES and quant_state.shape[1] % quant_state.blocksize == 0
+            and quant_state.quant_type in ("nf4", "fp4"))
 
 
-def split_k(n: int, k: int) -> int:
+def split_k(n: int, k: int, blocksize: int) -> int:
     blocks, split = -(-n // BLOCK_N), 1
-    while blocks * split < MIN_PROGRAMS and split < MAX_SPLIT and k >= 2 * split * BLOCK_K:
+    while blocks * split < MIN_PROGRAMS and split < MAX_SPLIT and k >= 2 * split * blocksize:
         split *= 2
     return split
 
@@ -66,57 +76,56 @@ def _kernel():
                          stride_xm, stride_split, stride_om,
                          BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr,
                          NESTED: tl.constexpr, W_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        rows64 = rows.to(tl.int64)
         offs_m = tl.arange(0, BLOCK_M)
-        # The dot runs on fp32 operands holding 16-bit values, which tf32 represents exactly
-        # (products exact, fp32 sums, as a bf16/fp16 dot): one code path for every dtype, and
-        # the same on Triton's interpreter, whose bf16 dot multiplies the raw bits as integers.
-        precision: tl.constexpr = "ieee" if X_DTYPE == tl.float32 else "tf32"
+        m_ok = offs_m < M
+        HALF: tl.constexpr = BLOCKSIZE // 2
+        pairs = tl.arange(0, HALF)            # byte j of a block: elements 2j (high), 2j + 1 (low)
+        precision: tl.constexpr = "ieee" if EMULATE or X_DTYPE == tl.float32 else None
+        row_bytes = rows64[:, None] * (K // 2)
+        row_blocks = rows64 * (K // BLOCKSIZE)
+        x_rows = x_ptr + offs_m[:, None] * stride_xm
         k_start = pid_k * K_PER
         k_end = tl.minimum(k_start + K_PER, K)
-        # Row starts are byte-aligned (K even): row r's bytes are [r * K / 2, (r + 1) * K / 2).
-        half_k = K // 2
-        byte_cols = tl.arange(0, BLOCK_K // 2)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < k_end
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=(offs_m[:, None] < M) & k_mask[None, :], other=0.0).to(tl.float32)
-            # Contiguous bytes per row (vector loads); high nibble = the even element.
-            b_cols = k0 // 2 + byte_cols
-            b_mask = (rows[:, None] < N) & (b_cols[None, :] < k_end // 2)
-            packed = tl.load(packed_ptr + rows[:, None] * half_k + b_cols[None, :],
-                             mask=b_mask, other=0).to(tl.int32)
-            nibbles = tl.interleave(packed >> 4, packed & 0xF)          # (BLOCK_N, BLOCK_K)
-            flat = rows[:, None].to(tl.int64) * K + offs_k[None, :]
-            w_mask = (rows[:, None] < N) & k_mask[None, :]
-            block = flat // BLOCKSIZE          # constexpr: a shift for powers of two
+        for k0 in range(k_start, k_end, BLOCKSIZE):
+            packed = tl.load(packed_ptr + row_bytes + (k0 // 2 + pairs)[None, :],
+                             mask=row_ok[:, None], other=0).to(tl.int32)
+            block = row_blocks + k0 // BLOCKSIZE
             if NESTED:
-                q = tl.load(absmax_ptr + block, mask=w_mask, other=0)
-                scale2 = tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=w_mask, other=0.0)
-                scale = tl.load(code2_ptr + q.to(tl.int32)) * scale2 + tl.load(offset_ptr)
+                q = tl.load(absmax_ptr + block, mask=row_ok, other=0).to(tl.int32)
+                scale2 = tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=row_ok, other=0.0)
+                scale = tl.load(code2_ptr + q) * scale2 + tl.load(offset_ptr)
             else:
-                scale = tl.load(absmax_ptr + block, mask=w_mask, other=0.0)
-            w = tl.load(code_ptr + nibbles) * scale
-            # Rounded as bitsandbytes' dequantised weight is (to its dtype), then to x's, kept
-            # in fp32. bf16 by bit arithmetic (nearest even): Triton 3.6's interpreter truncates
-            # fp32 -> bf16 casts, so CPU tests would otherwise not see the GPU's rounding.
-            w = tl.where(w_mask, w, 0.0)
-            if W_DTYPE == tl.float16:
-                w = w.to(tl.float16).to(tl.float32)
-            if W_DTYPE == tl.bfloat16 or X_DTYPE == tl.bfloat16:
-                bits = w.to(tl.uint32, bitcast=True)
-                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-                w = bits.to(tl.float32, bitcast=True)
-            if X_DTYPE == tl.float16:
-                w = w.to(tl.float16).to(tl.float32)
-            acc += tl.dot(w, tl.trans(x), input_precision=precision)
+                scale = tl.load(absmax_ptr + block, mask=row_ok, other=0.0)
+            # (BLOCK_N, HALF, 2): [..., 0] the even elements (high nibbles), [..., 1] the odd.
+            w = tl.load(code_ptr + tl.join(packed >> 4, packed & 0xF)) * scale[:, None, None]
+            # Rounded as bitsandbytes' dequantised weight is (to its dtype), then to x's.
+            if EMULATE:
+                if W_DTYPE == tl.float16:
+                    w = w.to(tl.float16).to(tl.float32)
+                if W_DTYPE == tl.bfloat16 or X_DTYPE == tl.bfloat16:
+                    bits = w.to(tl.uint32, bitcast=True)         # nearest even, by bit arithmetic
+                    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+                    w = bits.to(tl.float32, bitcast=True)
+                if X_DTYPE == tl.float16:
+                    w = w.to(tl.float16).to(tl.float32)
+            else:
+                w = w.to(W_DTYPE).to(X_DTYPE)
+            w_even, w_odd = tl.split(w)
+            x_even = tl.load(x_rows + (k0 + 2 * pairs)[None, :], mask=m_ok[:, None], other=0.0)
+            x_odd = tl.load(x_rows + (k0 + 2 * pairs + 1)[None, :], mask=m_ok[:, None], other=0.0)
+            if EMULATE:
+                x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
+            acc += tl.dot(w_even, tl.trans(x_even), input_precision=precision)
+            acc += tl.dot(w_odd, tl.trans(x_odd), input_precision=precision)
         out = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + rows[:, None]
-        tl.store(out, acc, mask=(offs_m[None, :] < M) & (rows[:, None] < N))
+        tl.store(out, acc, mask=m_ok[None, :] & row_ok[:, None])
 
     return gemv_4bit_kernel
 
@@ -129,11 +138,12 @@ def launch(x: torch.Tensor, packed: torch.Tensor, quant_state, split: int | None
 
     m, k = x.shape
     n = quant_state.shape[0]
-    if tuple(quant_state.shape) != (n, k) or k % 2:
-        raise ValueError(f"4-bit weight of shape {tuple(quant_state.shape)} for input width {k}: "
-                         "the kernel needs an even input width matching the weight's")
-    split = split or split_k(n, k)
-    k_per = triton.cdiv(triton.cdiv(k, split), BLOCK_K) * BLOCK_K
+    blocksize = quant_state.blocksize
+    if tuple(quant_state.shape) != (n, k) or blocksize not in BLOCKSIZES or k % blocksize:
+        raise ValueError(f"4-bit weight of shape {tuple(quant_state.shape)} and block size {blocksize} "
+                         f"for input width {k}: the kernel needs whole blocks of {BLOCKSIZES} per row")
+    split = split or split_k(n, k, blocksize)
+    k_per = triton.cdiv(triton.cdiv(k, split), blocksize) * blocksize
     split = triton.cdiv(k, k_per)
     out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     nested = bool(quant_state.nested)
@@ -145,9 +155,10 @@ def launch(x: torch.Tensor, packed: torch.Tensor, quant_state, split: int | None
         state2.absmax if nested else absmax, state2.code if nested else code,
         quant_state.offset if nested else absmax,
         out, m, n, k, k_per, x.stride(0), out.stride(0), out.stride(1),
-        BLOCKSIZE=quant_state.blocksize, BLOCKSIZE2=state2.blocksize if nested else 1,
+        BLOCKSIZE=blocksize, BLOCKSIZE2=state2.blocksize if nested else 1,
         NESTED=nested, W_DTYPE=getattr(tl, _TL_DTYPES[quant_state.dtype]),
-        X_DTYPE=getattr(tl, _TL_DTYPES[x.dtype]), BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        X_DTYPE=getattr(tl, _TL_DTYPES[x.dtype]), EMULATE=not x.is_cuda,
+        BLOCK_M=16, BLOCK_N=BLOCK_N, num_stages=4)
     return out
 
 
