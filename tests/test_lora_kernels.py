@@ -292,6 +292,25 @@ def test_lora_request_rows_take_their_adapter_instead_of_the_live_one(kernels):
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
 
 
+def test_in_lora_request_steps_projections_no_adapter_touches_stay_on_the_gemv():
+    """A step with LoRARequest rows marks every projection with the rows' live mask; those that
+    neither a live nor a requested adapter adapts still run the GEMV (3-D partials for the q/k/v
+    epilogue), while a merged projection leaves it (its request rows read the unmerged weight)."""
+    torch.manual_seed(6)
+    x = torch.randn(5, 128)
+    live_mask = torch.tensor([[True], [False], [True], [False], [True]])
+    untouched = _projection(64, 128, 0, 1.0).with_rows((), live_mask)
+    (out,) = project_group(x, [untouched], Kernels(small=True))
+    assert out.dim() == 3
+    torch.testing.assert_close(out.sum(0).double(), _reference(x, untouched), rtol=1e-5, atol=1e-4)
+    unmerged = torch.randn(64, 128)
+    merged = Linear(unmerged + 0.1, None, unmerged=unmerged).with_rows((), live_mask)
+    (out,) = project_group(x, [merged], Kernels(small=True))
+    assert out.dim() == 2
+    want = torch.where(live_mask, x.double() @ (unmerged + 0.1).double().T, x.double() @ unmerged.double().T)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
+
+
 def test_two_live_adapters_and_large_ranks_run_the_unfused_path():
     torch.manual_seed(3)
     x = torch.randn(3, 128)

@@ -68,9 +68,11 @@ class Linear:
 
     @property
     def plain(self) -> bool:
-        """Only a 16/32-bit weight and bias: the fused kernels may read it."""
+        """Only a 16/32-bit weight and bias: the fused kernels may read it. In a step with
+        LoRARequest rows (`live_mask` set) a projection no adapter touches is still plain; a
+        merged one is not (those rows read `unmerged`)."""
         return (len(self.lora) == 0 and len(self.row_lora) == 0  # (dynamo cannot `not` a tuple)
-                and self.live_mask is None and self.quant is None)
+                and (self.live_mask is None or self.unmerged is None) and self.quant is None)
 
     def with_rows(self, row_lora: tuple, live_mask: torch.Tensor) -> Linear:
         return replace(self, row_lora=row_lora, live_mask=live_mask)
