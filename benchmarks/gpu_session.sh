@@ -39,11 +39,13 @@
 #                  and without a live r=32 adapter on all seven projections
 #   gemma_compile : Inductor compile counts of Gemma-4-E2B against Qwen3-4B (compile_count.py), E2B decode
 #                   1 / 8 / 64 from cold compile caches (capture time), the bs-1 decode profile
-#   lora_nf4 : (carry .whl) the open questions of 2026-12-05: the expand path's partials at 64 rows
-#              (lora_sweep.py), where a batch-8 step mixing 4 LoRARequest adapters goes (profile),
-#              Qwen3-4B NF4 decode 1 / 8 / 64 against HF now that 4-bit steps replay graphs,
-#              where NF4's batch-1 step goes (profile), and the rewritten 4-bit GEMV against
-#              bitsandbytes' ops (gemv_4bit_sweep.py; its GPU test first)
+#   lora_next : the open LoRA questions of 2026-12-05: the GPU test of lora_request_kernels (the
+#               adapter table folded into the LoRA kernels), the expand path's partials at 64 rows
+#               (lora_sweep.py), LoRARequest mixes unfused vs folded (lora_modes.py, r=32), and where
+#               a batch-8 step mixing 4 LoRARequest adapters goes (profile)
+#   nf4_next : (carry .whl) Qwen3-4B NF4 decode 1 / 8 / 64 against HF now that 4-bit steps replay
+#              graphs, where NF4's batch-1 step goes (profile), and the rewritten 4-bit GEMV: its
+#              GPU test, then against bitsandbytes' ops (gemv_4bit_sweep.py)
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
 mkdir -p "$out"
@@ -233,17 +235,22 @@ lora_profile)
     timeout 75 python3 benchmarks/profile_decode.py --preset qwen3-4b $args 2>&1 | filter | head -22
   done > "$out/lora_profile.txt"
   names="gpu lora_sweep lora_profile" ;;
-lora_nf4)
+lora_next)
+  gputest 200 tests/test_lora_fused_gpu.py -k plain_model | tail -4 > "$out/tests.txt"
   timeout 100 python3 benchmarks/lora_sweep.py --rows 1,64 --splits 8,32 2>&1 | filter > "$out/lora_sweep.txt"
-  timeout 90 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 8 --lora-requests 4 2>&1 \
+  timeout 200 python3 benchmarks/lora_modes.py --preset qwen3-4b --ranks 32 --batch-sizes 8,64 2>&1 \
+    | grep '^{"rank"' > "$out/lora_modes.txt"
+  timeout 80 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 8 --lora-requests 4 2>&1 \
     | filter | head -24 > "$out/requests_profile.txt"
+  names="gpu tests lora_sweep lora_modes requests_profile" ;;
+nf4_next)
   bench 200 --preset qwen3-4b --batch-sizes 1,8,64 --quantization bnb-nf4 --compare hf --hf-max-tokens 16 \
     --json "$out/nf4.json" | tail -6 > "$out/nf4.txt"
   timeout 120 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 1 --quantization bnb-nf4 2>&1 \
     | filter | head -30 > "$out/nf4_profile.txt"
   gputest 120 tests/test_quant4bit.py -k kernel_on_cuda | tail -4 > "$out/kernel_test.txt"
   timeout 90 python3 benchmarks/gemv_4bit_sweep.py --rows 1,8,16 2>&1 | filter | tail -20 > "$out/gemv_4bit.txt"
-  names="gpu lora_sweep requests_profile nf4 nf4_profile kernel_test gemv_4bit" ;;
+  names="gpu nf4 nf4_profile kernel_test gemv_4bit" ;;
 gemma_compile)
   for preset in gemma-4-e2b qwen3-4b; do
     timeout 150 python3 benchmarks/compile_count.py --preset $preset --batch-sizes 1,8,64 2>&1 | filter | tail -12

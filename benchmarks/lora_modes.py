@@ -1,7 +1,7 @@
 """What each LoRA mode costs: decode tok/s with no adapter, live LoRA and merged LoRA, batches
 whose rows cycle over no request and `--requests` LoRARequest adapters (in memory, every
-projection; decoded from the adapter table's graphs), and the time of one merged refresh after an
-in-place adapter update.
+projection; decoded from the adapter table's graphs; unfused, then with `lora_request_kernels`),
+and the time of one merged refresh after an in-place adapter update.
 
     python benchmarks/lora_modes.py --preset qwen3-4b --ranks 16,64 --batch-sizes 8,64
 """
@@ -72,7 +72,14 @@ def main() -> None:
         mix = [None, *random_requests(model, rank, args.requests)]
         rows.update({f"requests{args.requests}_bs{b}": max(run_decode(base, b, 128, args.max_tokens, vocab,
                                                                       lora_requests=mix)) for b in batches})
-        del base, mix
+        del base
+        _release(args.device)
+        # The same mix with the adapter table's terms folded into the LoRA kernels.
+        fold = LLM(model, max_model_len=1024, max_num_seqs=max(batches), gpu_memory_utilization=0.3,
+                   lora_request_kernels=True)
+        rows.update({f"requests{args.requests}_kernels_bs{b}": max(run_decode(
+            fold, b, 128, args.max_tokens, vocab, lora_requests=mix)) for b in batches})
+        del fold, mix
         _release(args.device)
         peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ALL))
         for mode in ("live", "merged"):

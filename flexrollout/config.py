@@ -67,6 +67,11 @@ class EngineConfig:
     # the adapter table, `lora/table.py`; vLLM's name). A step mixing more runs eagerly. The
     # table is allocated as adapters are used: r x (in + out) per adapted projection and slot.
     max_loras: int = 4
+    # Steps with LoRARequest rows fold a projection's one row-masked adapter term (the adapter
+    # table's, or a live adapter off the request rows) into the live-LoRA kernels (shrink + GEMV,
+    # or + expand past 32 rows) instead of four unfused launches per projection. Off until its
+    # GPU test (tests/test_lora_fused_gpu.py) has passed: it has not run on a GPU yet.
+    lora_request_kernels: bool = False
     # vLLM's names: with enable_lora, the KV cache leaves room for a full adapter table
     # (max_loras slots of rank max_lora_rank); an adapter of a larger rank still runs.
     enable_lora: bool = False

@@ -202,3 +202,49 @@ def test_lora_requests_decode_from_graphs_and_match_peft(tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == want
     graphs = llm.llm_engine.runner.graphs.graphs
     assert any(key[2] is not None for key in graphs), "LoRARequest steps should replay a graph"
+
+
+@pytest.mark.parametrize("kernels_on", [True, False], ids=["lora_request_kernels", "unfused"])
+def test_lora_requests_over_a_plain_model_match_peft(tmp_path, kernels_on):
+    """fp32, a model without live adapters serving three saved adapters and base rows, batches of
+    12 (GEMV) and 40 (past its rows): with `lora_request_kernels` each projection's table term
+    folds into the shrink + GEMV / expand kernels, its column mask picking each row's adapter.
+    Every row's tokens equal PEFT's generate with that row's adapter, either way."""
+    from flexrollout import LoRARequest
+    from flexrollout.lora import save_lora
+
+    pm = _peft(torch.float32, 16, seed=4)
+    requests, saved = [None], {}
+    for lora_id in (1, 2, 3):
+        g = torch.Generator(device="cuda").manual_seed(lora_id)
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_" in n:
+                    p.copy_(torch.randn(p.shape, generator=g, device="cuda") * (0.02 if "lora_B" in n else 0.05))
+        save_lora(pm, str(tmp_path / str(lora_id)))
+        requests.append(LoRARequest(str(lora_id), lora_id, str(tmp_path / str(lora_id))))
+        saved[str(lora_id)] = _lora_tensors(pm)
+    batches = {batch: _prompts(batch, pm.config.vocab_size, seed=batch) for batch in (12, 40)}
+
+    def peft_greedy(prompt, request):
+        ids = torch.tensor([prompt], device="cuda")
+        if request is None:
+            with pm.disable_adapter():
+                out = pm.generate(input_ids=ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        else:
+            _set_lora_tensors(pm, saved[request.lora_name])
+            out = pm.generate(input_ids=ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        return out[0, len(prompt):].tolist()
+
+    rows = {batch: [requests[i % len(requests)] for i in range(batch)] for batch in batches}
+    want = {batch: [peft_greedy(p, r) for p, r in zip(prompts, rows[batch])]
+            for batch, prompts in batches.items()}
+    plain = pm.unload()                   # the base model, PEFT's layers removed
+    llm = LLM(plain, max_model_len=512, max_num_seqs=48, num_kv_pages=256,
+              lora_request_kernels=kernels_on)
+    for batch, prompts in batches.items():
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                            use_tqdm=False, lora_request=rows[batch])
+        assert [o.outputs[0].token_ids for o in outs] == want[batch], batch
+    assert any(key[2] is not None for key in llm.llm_engine.runner.graphs.graphs)
+

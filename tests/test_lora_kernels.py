@@ -162,6 +162,11 @@ _HOPPER_CHECK = textwrap.dedent("""
         "shrink fp32 32 rows": shrink(32, fp32),
         "expand bf16 64 rows": expand(64, bf16),
         "expand fp32 64 rows": expand(64, fp32),
+        # The adapter table's stacked term (`Kernels.lora_rows`): up to MAX_MASKED_RANK wide.
+        "gate/up bf16 32 rows R": gemv(32, 9728, 2560, True, bf16, lk.MAX_MASKED_RANK),
+        "qkv bf16 32 rows R": gemv(32, 6144, 2560, False, bf16, lk.MAX_MASKED_RANK),
+        "shrink bf16 64 rows R": shrink(64, bf16, lk.MAX_MASKED_RANK),
+        "expand bf16 64 rows R": expand(64, bf16, lk.MAX_MASKED_RANK),
     }
     print(shared)
     over = {name: b for name, b in shared.items() if b > 227 * 1024}
@@ -309,6 +314,65 @@ def test_in_lora_request_steps_projections_no_adapter_touches_stay_on_the_gemv()
     assert out.dim() == 2
     want = torch.where(live_mask, x.double() @ (unmerged + 0.1).double().T, x.double() @ unmerged.double().T)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def _table_step(rows: int, fan_in: int = 128):
+    """An adapter table holding two LoRARequest adapters (ranks 8 and 16, on q and v only) and
+    one step's rows cycling over live (0), adapter 1, adapter 2 and the base model."""
+    from flexrollout.lora.adapters import BASE_MODEL, Adapter
+    from flexrollout.lora.table import AdapterTable, TableBatch
+
+    adapters = []
+    for lora_id, rank in ((1, 8), (2, 16)):
+        weights = {(0, name): (torch.randn(rank, fan_in) / fan_in ** 0.5, torch.randn(width, rank), 0.5 * lora_id)
+                   for name, width in (("q_proj", 96), ("v_proj", 32))}
+        adapters.append(Adapter(lora_id, f"a{lora_id}", weights))
+    table = AdapterTable(4, torch.device("cpu"), torch.float32)
+    mix = [None, *adapters, BASE_MODEL]
+    row_adapters = [mix[i % len(mix)] for i in range(rows)]
+    return TableBatch(table, torch.tensor(table.row_slots(row_adapters))), row_adapters
+
+
+@pytest.mark.parametrize("rows, kernels", [
+    (6, Kernels(small=True, lora_small=True, lora_rows=True)),
+    (lk.MAX_ROWS + 9, Kernels(lora_expand=True, lora_rows=True))], ids=["gemv", "expand"])
+def test_lora_request_rows_fold_into_the_lora_kernels(monkeypatch, rows, kernels):
+    """`lora_rows`: the adapter table's stacked term (q, v) and a live adapter off the request
+    rows (k, which no request adapts) fold into one shrink per group and the GEMV / expand
+    kernels, the rows' masks on the shrink's partials; each row gets exactly its own adapter
+    (PEFT's math per row), the same as the unfused path gives with the flag off."""
+    from flexrollout.lora.adapters import BASE_MODEL
+
+    torch.manual_seed(7)
+    calls = {"shrink": 0}
+    op = lk.lora_shrink
+    monkeypatch.setattr(lk, "lora_shrink", lambda *a, **kw: calls.__setitem__("shrink", calls["shrink"] + 1) or op(*a, **kw))
+    batch, row_adapters = _table_step(rows)
+    live = _projection(32, 128, 8, 2.0)
+    q, k, v = (Linear(torch.randn(width, 128)).with_rows(batch.terms(0, name), batch.live_mask)
+               for name, width in (("q_proj", 96), ("k_proj", 32), ("v_proj", 32)))
+    k = live.with_rows(batch.terms(0, "k_proj"), batch.live_mask)
+    x = torch.randn(rows, 128)
+
+    def want(p, name):
+        out = x.double() @ p.weight.double().T
+        for i, adapter in enumerate(row_adapters):
+            if adapter is None and p.lora:
+                a, b, scaling = p.lora[0]
+                out[i] += scaling * (b.double() @ (a.double() @ x[i].double()))
+            elif adapter is not None and adapter is not BASE_MODEL and (0, name) in adapter.weights:
+                a, b, scaling = adapter.weights[(0, name)]
+                out[i] += scaling * (b.double() @ (a.double() @ x[i].double()))
+        return out
+
+    for flag in (True, False):
+        got = project_group(x, [q, k, v], Kernels(**{**kernels.__dict__, "lora_rows": flag}))
+        assert calls["shrink"] == 1                         # one launch with the flag, none without
+        for out, p, name in zip(got, (q, k, v), ("q_proj", "k_proj", "v_proj")):
+            if flag and kernels.small:
+                assert out.dim() == 3                       # GEMV partials
+                out = out.sum(0)
+            torch.testing.assert_close(out.double(), want(p, name), rtol=1e-5, atol=1e-4)
 
 
 def test_two_live_adapters_and_large_ranks_run_the_unfused_path():

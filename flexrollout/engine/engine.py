@@ -106,7 +106,7 @@ class LLMEngine:
             max_len=max_model_len, compile_layers=device.type == "cuda" and config.compile_layers,
             small_rows=config.small_batch_max_rows if config.small_batch_kernels else 0,
             mlp_chunk=config.mlp_chunk_tokens, gemv_pdl=config.gemv_pdl,
-            qkv_epilogue=config.qkv_epilogue,
+            qkv_epilogue=config.qkv_epilogue, lora_rows=config.lora_request_kernels,
             expert_rows=config.moe_small_batch_max_rows if config.small_batch_kernels else 0))
         backend = config.attention_backend
         if backend == "auto":

@@ -43,6 +43,10 @@ MAX_SPLIT = 32
 # Largest adapter rank the fused kernels take (the GEMV's (rows, R) and (BLOCK_N, R) fp32 tiles
 # sit beside its pipelined weight tiles); larger ranks run the unfused path.
 MAX_RANK = 64
+# Largest row-masked term they take (`Kernels.lora_rows`): the adapter table's stacked term is
+# slots x rank wide (4 adapters of r = 32: 128). At R = 128 every variant compiles for Hopper
+# within its shared memory (tests/test_lora_kernels.py); its speed is not yet measured.
+MAX_MASKED_RANK = 128
 
 
 # Largest batch whose live-LoRA projections run the GEMV with the adapter folded in. The 64-row

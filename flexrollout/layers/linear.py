@@ -39,7 +39,10 @@ class Kernels:
     epilogue kernel after the projections in decode, and the grouped GEMV of small MoE steps.
     `lora_small`: projections with a live adapter run the GEMV with the adapter folded in, at
     up to `lora_kernels.MAX_ROWS` rows; `lora_expand`: past those rows they run cuBLAS, the
-    shrink and the expand kernel."""
+    shrink and the expand kernel. `lora_rows`: in steps with LoRARequest rows, a projection
+    whose one adapter term is masked by rows (the adapter table's stacked term, or a live
+    adapter off the request rows) takes those kernels too, the mask applied to the shrink's
+    partials."""
 
     small: bool = False
     pdl: bool = True
@@ -47,6 +50,7 @@ class Kernels:
     expert_rows: int = 0      # MoE steps of at most this many (token, expert) rows: grouped GEMV
     lora_small: bool = False
     lora_expand: bool = False
+    lora_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ def read_linear(module: torch.nn.Module, merged=None) -> Linear:
 
 def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Tensor:
     """x @ W^T + b + sum(scaling * B (A x)) for (T, in) rows."""
-    if len(p.lora) > 0 and (_on_gemv(x, [p], kernels) or _on_expand([p], kernels)):
+    if _adapter_of(p) is not None and (_on_gemv(x, [p], kernels) or _on_expand([p], kernels)):
         # The GEMV with the adapter folded in, or cuBLAS + expand: a group of one.
         return finish_group(project_group(x, [p], kernels), [p], x.dtype)[0]
     if p.quant is not None:
@@ -135,24 +139,39 @@ def gemv_ready(p: Linear) -> bool:
     return p.quant is not None or gemv.weight_supported(p.weight)
 
 
-def _fusable(p: Linear) -> bool:
-    """The GEMV kernel can compute this projection: plain, or with one live adapter of a rank
-    it takes (LoRARequest rows, several live adapters and 4-bit weights run `linear`)."""
+def _adapter_of(p: Linear) -> tuple | None:
+    """The one adapter term of p the LoRA kernels can fold in, as (A, B, scaling, mask): its live
+    adapter (mask None, or the rows' `live_mask` in a step with LoRARequest rows that do not
+    adapt p), or, without a live adapter, the step's one LoRARequest term (its row mask (T, 1),
+    or the adapter table's column mask (T, slots * rank)). None: no term, or several."""
+    if len(p.lora) == 1 and len(p.row_lora) == 0:
+        return (*p.lora[0], p.live_mask)
+    if len(p.lora) == 0 and len(p.row_lora) == 1 and p.unmerged is None:
+        return p.row_lora[0]
+    return None
+
+
+def _fusable(p: Linear, kernels: Kernels) -> bool:
+    """The GEMV kernel can compute this projection: plain, or with one adapter term of a rank
+    it takes (row-masked terms when `kernels.lora_rows`). Several terms, 4-bit weights and
+    larger ranks run `linear`."""
     if p.plain:
         return True
-    if len(p.lora) != 1 or len(p.row_lora) != 0 or p.live_mask is not None or p.quant is not None:
+    term = _adapter_of(p) if p.quant is None else None
+    if term is None:
         return False
-    lora_a, lora_b, _ = p.lora[0]
-    return (lora_a.shape[0] <= lora_kernels.MAX_RANK and lora_a.is_contiguous()
-            and lora_b.is_contiguous())
+    lora_a, lora_b, _, mask = term
+    limit = lora_kernels.MAX_RANK if mask is None else lora_kernels.MAX_MASKED_RANK
+    return ((mask is None or kernels.lora_rows) and lora_a.shape[0] <= limit
+            and lora_a.is_contiguous() and lora_b.is_contiguous())
 
 
 def _on_gemv(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bool:
     """These projections of `x` run the GEMV kernel: a small batch of projections it can
     compute, or a live-LoRA batch within its LoRA row limit."""
-    if not all(_fusable(p) for p in projections):
+    if not all(_fusable(p, kernels) for p in projections):
         return False
-    adapted = any(len(p.lora) > 0 for p in projections)
+    adapted = any(_adapter_of(p) is not None for p in projections)
     if not adapted:
         return kernels.small            # (the engine turns it on only where every weight fits)
     rows_fit = kernels.small or (kernels.lora_small and x.shape[0] <= lora_kernels.MAX_ROWS)
@@ -163,8 +182,8 @@ def _on_gemv(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bo
 def _on_expand(projections: list[Linear], kernels: Kernels) -> bool:
     """These projections run cuBLAS + the expand kernel: a batch past the GEMV whose live
     adapters the kernels take."""
-    return (kernels.lora_expand and all(_fusable(p) for p in projections)
-            and any(len(p.lora) > 0 for p in projections))
+    return (kernels.lora_expand and all(_fusable(p, kernels) for p in projections)
+            and any(_adapter_of(p) is not None for p in projections))
 
 
 def _expand_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:
@@ -181,17 +200,36 @@ def _expand_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) 
 
 
 def _shrink(x: torch.Tensor, projections: list[Linear], kernels: Kernels):
-    """s * A x of the projections' live adapters in one launch (fp32 partials, slot i for
-    projection i), and each projection's B (None without an adapter); (None, Nones) when none
-    has one."""
-    adapters = [p.lora[0] if len(p.lora) > 0 else None for p in projections]
-    adapters += [None] * (3 - len(adapters))
-    lora_b = [None if a is None else a[1] for a in adapters]
-    if all(a is None for a in adapters):
+    """s * A x of the projections' adapter terms in one launch (fp32 partials, slot i for
+    projection i, row masks applied), and each projection's B (None without a term); (None,
+    Nones) when none has one."""
+    terms = [_adapter_of(p) for p in projections]
+    terms += [None] * (3 - len(terms))
+    lora_b = [None if t is None else t[1] for t in terms]
+    if all(t is None for t in terms):
         return None, lora_b
-    lora_a = [None if a is None else a[0] for a in adapters]
-    scales = [0.0 if a is None else float(a[2]) for a in adapters]
-    return lora_kernels.lora_shrink(x, *lora_a, *scales, pdl=kernels.pdl), lora_b
+    lora_a = [None if t is None else t[0] for t in terms]
+    scales = [0.0 if t is None else float(t[2]) for t in terms]
+    low_rank = lora_kernels.lora_shrink(x, *lora_a, *scales, pdl=kernels.pdl)
+    masks = [None if t is None else t[3] for t in terms]
+    if any(m is not None for m in masks):
+        low_rank = low_rank * _column_mask(masks, lora_a, x.shape[0], x.device)
+    return low_rank, lora_b
+
+
+def _column_mask(masks: list, lora_a: list, rows: int, device: torch.device) -> torch.Tensor:
+    """(rows, slots * R) 0/1 over the shrink's columns: each slot's row mask (T, 1) or column
+    mask (T, width <= R), ones for an unmasked slot. Zeroed columns add exactly nothing."""
+    r_block = lora_kernels.rank_block([0 if a is None else a.shape[0] for a in lora_a])
+    columns = []
+    for mask in masks[:lora_kernels.slot_count(*lora_a)]:
+        if mask is None:
+            columns.append(torch.ones(rows, r_block, device=device))
+        elif mask.shape[1] == 1:
+            columns.append(mask.to(torch.float32).expand(rows, r_block))
+        else:
+            columns.append(F.pad(mask.to(torch.float32), (0, r_block - mask.shape[1])))
+    return torch.cat(columns, dim=1)
 
 
 def project_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:
@@ -232,8 +270,8 @@ def gated_act(x: torch.Tensor, gate: Linear, up: Linear, act, kernels: Kernels) 
         low_rank, lora_b = _shrink(x, [gate, up], kernels)
         return gemv.small_linear(x, gate.weight, up.weight, silu_mul=True, pdl=kernels.pdl,
                                  low_rank=low_rank, b0=lora_b[0], b1=lora_b[1])[0]
-    if len(gate.lora) > 0 or len(up.lora) > 0:
-        # Other activations (or biases) with live adapters: still one shrink for both, and one
+    if _adapter_of(gate) is not None or _adapter_of(up) is not None:
+        # Other activations (or biases) with adapters: still one shrink for both, and one
         # GEMV launch for both in small batches.
         projections = [gate, up]
         gate_out, up_out = finish_group(project_group(x, projections, kernels), projections, x.dtype)
