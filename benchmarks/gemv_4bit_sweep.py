@@ -14,7 +14,7 @@ import json
 import logging
 
 import torch
-from gemv_sweep import graph_seconds
+from gemv_sweep import graph_us_cycling
 
 logger = logging.getLogger(__name__)
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
@@ -23,12 +23,7 @@ COPIES = 8
 
 def _time_us(fn) -> float:
     """Microseconds per call of `fn(i)` over the COPIES weight copies, replayed from a graph."""
-    state = {"i": 0}
-
-    def step():
-        fn(state["i"] % COPIES)
-        state["i"] += 1
-    return graph_seconds(step, reps=COPIES) * 1e6
+    return graph_us_cycling(fn, COPIES)
 
 
 def main() -> None:

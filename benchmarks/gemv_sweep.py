@@ -48,6 +48,17 @@ def graph_seconds(fn, reps: int = 10) -> float:
     return sorted(times)[2]
 
 
+def graph_us_cycling(fn, copies: int) -> float:
+    """Microseconds per call of `fn(i)`, i cycling over `copies` weight copies (so that L2 holds
+    none of them), replayed from a CUDA graph."""
+    state = {"i": 0}
+
+    def step():
+        fn(state["i"] % copies)
+        state["i"] += 1
+    return graph_seconds(step, reps=copies) * 1e6
+
+
 def candidates(k: int, silu: bool):
     for block_n, block_k, split, stages in itertools.product((32, 64, 128), (128, 256),
                                                              (1, 2, 4, 8), (3, 5)):

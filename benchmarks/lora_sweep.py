@@ -17,7 +17,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from gemv_sweep import SHAPES, graph_seconds
+from gemv_sweep import SHAPES, graph_us_cycling
 
 from flexrollout.kernels import lora as lk
 from flexrollout.kernels import small_linear as sl
@@ -40,12 +40,7 @@ def _group(name: str, rows: int, rank: int):
 
 def _time(fn) -> float:
     """Microseconds per launch sequence: `fn(i)` over the COPIES weight copies in one graph."""
-    state = {"i": 0}
-
-    def step():
-        fn(state["i"] % COPIES)
-        state["i"] += 1
-    return graph_seconds(step, reps=COPIES) * 1e6
+    return graph_us_cycling(fn, COPIES)
 
 
 def measure(name: str, rows: int, rank: int, splits: list[int]) -> dict:
