@@ -309,6 +309,55 @@ def test_4bit_kernel_takes_only_rows_of_whole_blocks(monkeypatch):
                 gemv_4bit.launch(x, packed, state)
 
 
+# The engine's projections route to the kernel with `Kernels(quant_small=True)` (what
+# `LLM(quant_kernels=True)` sets for CUDA batches of <= 16 rows) and leave larger batches to
+# bitsandbytes' ops; run through `layers.linear.linear` as the models call it.
+_ROUTE_CHECK = textwrap.dedent("""
+    import torch, bitsandbytes as bnb
+    from flexrollout.kernels import gemv_4bit
+    from flexrollout.layers.linear import Kernels, Linear, linear
+
+    launches = []
+    launch = gemv_4bit.launch
+    gemv_4bit.launch = lambda *args, **kw: launches.append(args[0].shape[0]) or launch(*args, **kw)
+    torch.manual_seed(0)
+    packed, state = bnb.functional.quantize_4bit(torch.randn(48, 192), quant_type="nf4",
+                                                 compress_statistics=True)
+    p = Linear(packed, torch.randn(48), quant=state)
+    weight = bnb.functional.dequantize_4bit(packed, state).double()
+    for rows, routed in ((1, True), (16, True), (17, False)):
+        x = torch.randn(rows, 192)
+        ref = x.double() @ weight.T + p.bias.double()
+        for kernels, expect in ((Kernels(quant_small=True), routed), (Kernels(), False)):
+            before = len(launches)
+            got = linear(x, p, kernels)
+            assert got.dtype == x.dtype and got.shape == (rows, 48)
+            assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-6
+            assert (len(launches) > before) == expect, (rows, kernels, launches)
+    print(launches)
+""")
+
+
+def test_engine_projections_route_small_batches_to_the_4bit_kernel():
+    pytest.importorskip("triton")
+    assert run_fresh_python(_ROUTE_CHECK, triton_interpret=True).strip() == "[1, 16]"
+
+
+def test_quant_kernels_reach_the_forward_options():
+    """`LLM(quant_kernels=True)` asks the forward for the kernel up to its 16 rows (CUDA only:
+    on CPU the option changes nothing, and generation still matches the default's)."""
+    from flexrollout.kernels import gemv_4bit
+
+    model, tok = _model()
+    runs = []
+    for on in (True, False):
+        llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=2, quant_kernels=on)
+        assert llm.llm_engine.runner.forward.options.quant_rows == (gemv_4bit.MAX_ROWS if on else 0)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)])
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant_type, nested", [("nf4", True), ("fp4", False)])
 @pytest.mark.parametrize("m", [1, 8, 16])
@@ -325,6 +374,36 @@ def test_4bit_kernel_on_cuda_matches_bitsandbytes(quant_type, nested, m):
         ref = x.double() @ bnb.functional.dequantize_4bit(packed, state).double().T
         got = gemv_4bit.launch(x, packed, state).double().sum(0)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_kernels_decode_like_bitsandbytes_ops_on_cuda(dtype, monkeypatch):
+    """`LLM(quant_kernels=True)`: decode's 4-bit projections run our Triton GEMV (captured in
+    the graphs) and give bitsandbytes' ops' tokens; in fp32 both equal HF generate on the
+    dequantised reference, and logprobs agree to fp32 (bf16: to its rounding)."""
+    from flexrollout.kernels import gemv_4bit
+
+    launches = []
+    launch = gemv_4bit.launch
+    monkeypatch.setattr(gemv_4bit, "launch", lambda *a, **kw: launches.append(a[0].shape[0]) or launch(*a, **kw))
+    model, tok = _tiny("llama")
+    model = _quantize_projections(model.to("cuda", dtype), "nf4", True)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+    runs = {}
+    for on in (True, False):
+        llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=4, quant_kernels=on)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        runs[on] = [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
+                    for o in outs]
+        del llm
+    assert launches and max(launches) <= gemv_4bit.MAX_ROWS
+    assert [t for t, _ in runs[True]] == [t for t, _ in runs[False]]
+    worst = max(abs(a - b) for (_, la), (_, lb) in zip(runs[True], runs[False]) for a, b in zip(la, lb))
+    assert worst < (1e-4 if dtype == torch.float32 else 5e-2), worst
+    if dtype == torch.float32:
+        reference = dequantized_reference(model)
+        assert [t for t, _ in runs[True]] == [_hf_greedy(reference, p, 10) for p in PROMPTS]
 
 
 @pytest.mark.gpu

@@ -21,6 +21,7 @@ import torch
 from ..attention.kv_cache import KVCache
 from ..config import EngineConfig
 from ..facades import ModelConfig, VllmConfig
+from ..kernels.gemv_4bit import MAX_ROWS as GEMV_4BIT_MAX_ROWS
 from ..lora.table import AdapterTable
 from ..models.base import ForwardOptions
 from .detokenizer import append_text, final_text, find_stop_string
@@ -107,6 +108,7 @@ class LLMEngine:
             small_rows=config.small_batch_max_rows if config.small_batch_kernels else 0,
             mlp_chunk=config.mlp_chunk_tokens, gemv_pdl=config.gemv_pdl,
             qkv_epilogue=config.qkv_epilogue, lora_rows=config.lora_request_kernels,
+            quant_rows=GEMV_4BIT_MAX_ROWS if config.quant_kernels else 0,
             expert_rows=config.moe_small_batch_max_rows if config.small_batch_kernels else 0))
         backend = config.attention_backend
         if backend == "auto":

@@ -22,10 +22,10 @@ interpreter truncates fp32 -> bf16 casts and multiplies bf16 dot operands as int
 
 Results come back as fp32 partials (split, M, N) summed by the caller, like `small_linear`.
 
-Not routed by the engine until measured: the first version (per-element index arithmetic and
-three gathers per element) took 375-1,690 us per Qwen3-4B projection on an H200
-(benchmarks/gemv_4bit_sweep.py, 2026-12-04), 8-40x bitsandbytes' own ops, which
-`layers/quant.py` runs.
+The engine routes to it only with `LLM(quant_kernels=True)` (off by default) until measured:
+the first version (per-element index arithmetic and three gathers per element) took
+375-1,690 us per Qwen3-4B projection on an H200 (benchmarks/gemv_4bit_sweep.py, 2026-12-04),
+8-40x bitsandbytes' own ops, which `layers/quant.py` runs by default.
 """
 from __future__ import annotations
 

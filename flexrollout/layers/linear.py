@@ -42,7 +42,8 @@ class Kernels:
     shrink and the expand kernel. `lora_rows`: in steps with LoRARequest rows, a projection
     whose one adapter term is masked by rows (the adapter table's stacked term, or a live
     adapter off the request rows) takes those kernels too, the mask applied to the shrink's
-    partials."""
+    partials. `quant_small`: 4-bit projections run the Triton 4-bit GEMV where it takes the
+    batch (`kernels.gemv_4bit.supported`), else bitsandbytes' ops."""
 
     small: bool = False
     pdl: bool = True
@@ -51,6 +52,7 @@ class Kernels:
     lora_small: bool = False
     lora_expand: bool = False
     lora_rows: bool = False
+    quant_small: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Te
         # The GEMV with the adapter folded in, or cuBLAS + expand: a group of one.
         return finish_group(project_group(x, [p], kernels), [p], x.dtype)[0]
     if p.quant is not None:
-        out = project_4bit(x, p.weight, p.quant, p.bias)
+        out = project_4bit(x, p.weight, p.quant, p.bias, kernels.quant_small)
     else:
         out = gemv.project(x, p.weight, p.bias, gemv.MAX_ROWS if kernels.small else 0, kernels.pdl)
     if p.unmerged is not None and p.live_mask is not None:

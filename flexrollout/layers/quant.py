@@ -10,16 +10,18 @@ Nothing is stored beside the packed weights, and a transient lives only for its 
 None of these ops reads anything back to the host, so a decode step over 4-bit weights is
 captured as a CUDA graph like any other. bitsandbytes is imported only when such a model arrives.
 
-The Triton kernel of `kernels/gemv_4bit.py` is not routed: its first version took 375-1,690 us
-per Qwen3-4B projection on an H200 against bitsandbytes' 35-63 us at one row and 37-140 us
-(dequantise + matmul) at 8-16 rows (benchmarks/gemv_4bit_sweep.py, BENCHMARKS.md); its rewrite
-(per-block scales, no per-element index arithmetic) stays out of the engine until that sweep
-has measured it.
+The Triton kernel of `kernels/gemv_4bit.py` serves batches of up to 16 rows only with
+`EngineConfig.quant_kernels` (off by default): its first version took 375-1,690 us per Qwen3-4B
+projection on an H200 against bitsandbytes' 35-63 us at one row and 37-140 us (dequantise +
+matmul) at 8-16 rows (benchmarks/gemv_4bit_sweep.py, BENCHMARKS.md); its rewrite (per-block
+scales, no per-element index arithmetic) is not yet measured on a GPU.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..kernels import gemv_4bit
 
 
 def quant_state_of(weight: torch.Tensor):
@@ -43,8 +45,11 @@ def dequantize_4bit(weight: torch.Tensor, quant_state, dtype: torch.dtype) -> to
 
 
 def project_4bit(x: torch.Tensor, weight: torch.Tensor, quant_state,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T + b for a packed 4-bit weight, in x's dtype."""
+                 bias: torch.Tensor | None = None, triton_gemv: bool = False) -> torch.Tensor:
+    """x @ W^T + b for a packed 4-bit weight, in x's dtype. `triton_gemv`: our GEMV kernel
+    where it takes the batch (`EngineConfig.quant_kernels`)."""
+    if triton_gemv and gemv_4bit.supported(x, quant_state):
+        return gemv_4bit.project(x, weight, quant_state, bias)
     if x.is_cuda:
         import bitsandbytes as bnb
 

@@ -55,6 +55,7 @@ class ForwardOptions:
     qkv_epilogue: bool = True
     expert_rows: int = 0            # MoE steps up to this many (token, expert) rows: grouped GEMV
     lora_rows: bool = False         # LoRARequest rows' adapter terms take the LoRA kernels
+    quant_rows: int = 0             # 4-bit projections up to this many rows: our Triton GEMV (0: never)
     # torch.compile backend of the layer functions; analysis and tests count dynamo's compiles
     # with "eager" (dynamo's guards decide recompiles, not the backend), which is fast on CPU.
     compile_backend: str = "inductor"
@@ -285,7 +286,8 @@ class DecoderForward:
         kernels = Kernels(small=small, pdl=self.options.gemv_pdl, epilogue=self.options.qkv_epilogue,
                           expert_rows=self.options.expert_rows if input_ids.is_cuda else 0,
                           lora_small=lora_small, lora_expand=lora_kernels and not lora_small,
-                          lora_rows=lora_kernels and self.options.lora_rows)
+                          lora_rows=lora_kernels and self.options.lora_rows,
+                          quant_small=input_ids.is_cuda and input_ids.shape[0] <= self.options.quant_rows)
         return Step(meta, cache, rope, kernels, {})
 
     def _eager(self, meta: AttentionMetadata) -> bool:
