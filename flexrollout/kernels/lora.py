@@ -33,7 +33,7 @@ import functools
 
 import torch
 
-from .small_linear import row_block
+from .small_linear import rank_block, row_block
 
 BLOCK_K = 128
 # K slices per shrink at one row block: enough programs to stream the A matrices (at 1-32 rows,
@@ -53,12 +53,6 @@ MAX_MASKED_RANK = 128
 # tiles overflowed the H200's shared memory at Qwen3-4B's shapes (240 KiB asked, 227 KiB there;
 # bench at batch 64, 2026-12-04) and a 33-row bf16 case missed its tolerance.
 MAX_ROWS = 32
-
-
-def rank_block(ranks) -> int:
-    """R: the largest rank rounded up to a power of two, at least 16 (the smallest dot tile)."""
-    r = max(16, *ranks)
-    return 1 << (r - 1).bit_length()
 
 
 def k_slice(k: int, m: int, max_split: int = MAX_SPLIT) -> int:

@@ -236,8 +236,6 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
     b2) as `small_linear` takes them."""
     import triton
 
-    from .lora import rank_block
-
     m, k = x.shape
     if k % (tile.split * tile.block_k):
         raise ValueError(f"tiling {tile} does not divide the input width {k}")
@@ -269,6 +267,13 @@ def row_block(m: int) -> int:
     return 16 if m <= 16 else (32 if m <= 32 else 64)
 
 
+def rank_block(ranks) -> int:
+    """R: the largest adapter rank rounded up to a power of two, at least 16 (the smallest dot
+    tile); the GEMV's folded low-rank tile and the LoRA kernels' share it."""
+    r = max(16, *ranks)
+    return 1 << (r - 1).bit_length()
+
+
 @small_linear.register_fake
 def _(x, w0, w1=None, w2=None, silu_mul=False, pdl=True, low_rank=None, b0=None, b1=None, b2=None):
     split = _tiling_of(x, w0, w1, w2, silu_mul).split
@@ -295,8 +300,6 @@ def _reference(x, w0, w1, w2, silu_mul: bool, split: int, lora: tuple | None = N
 
 def _low_rank_reference(lora: tuple | None, rows: int) -> list:
     """Each matrix's B (s A x) (rows, out) in fp32, or 0.0 where it has no adapter."""
-    from .lora import rank_block
-
     if lora is None:
         return [torch.zeros(())] * 3
     low_rank, bs = lora[0].sum(0), lora[1:]
