@@ -46,7 +46,7 @@
 #   nf4_next : (carry .whl) Qwen3-4B NF4 decode 1 / 8 / 64 against HF now that 4-bit steps replay
 #              graphs, where NF4's batch-1 step goes (profile), and the rewritten 4-bit GEMV: its
 #              GPU tests, then against bitsandbytes' ops (gemv_4bit_sweep.py) and in the engine
-#              (quant_kernels) at batch 1 / 8
+#              (quant_kernels) at batch 1 / 8 / 64
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
 mkdir -p "$out"
@@ -250,8 +250,8 @@ nf4_next)
   timeout 120 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 1 --quantization bnb-nf4 2>&1 \
     | filter | head -30 > "$out/nf4_profile.txt"
   gputest 150 tests/test_quant4bit.py -k "kernel_on_cuda or quant_kernels" | tail -4 > "$out/kernel_test.txt"
-  timeout 90 python3 benchmarks/gemv_4bit_sweep.py --rows 1,8,16 2>&1 | filter | tail -20 > "$out/gemv_4bit.txt"
-  bench 150 --preset qwen3-4b --batch-sizes 1,8 --quantization bnb-nf4 --engine-args '{"quant_kernels": true}' \
+  timeout 120 python3 benchmarks/gemv_4bit_sweep.py --rows 1,8,16,32,64 2>&1 | filter | tail -20 > "$out/gemv_4bit.txt"
+  bench 180 --preset qwen3-4b --batch-sizes 1,8,64 --quantization bnb-nf4 --engine-args '{"quant_kernels": true}' \
     --json "$out/nf4_triton.json" | tail -4 > "$out/nf4_triton.txt"
   names="gpu nf4 nf4_profile kernel_test gemv_4bit nf4_triton" ;;
 gemma_compile)

@@ -72,7 +72,7 @@ class EngineConfig:
     # or + expand past 32 rows) instead of four unfused launches per projection. Off until its
     # GPU test (tests/test_lora_fused_gpu.py) has passed: it has not run on a GPU yet.
     lora_request_kernels: bool = False
-    # Projections over bitsandbytes 4-bit weights, in batches of at most 16 rows (decode), run
+    # Projections over bitsandbytes 4-bit weights, in batches of at most 64 rows (decode), run
     # flexrollout's Triton 4-bit GEMV (kernels/gemv_4bit.py: packed nibbles and absmax read in
     # place, dequantised in registers) instead of bitsandbytes' own ops. Off until a GPU run has
     # measured it against them (benchmarks/gemv_4bit_sweep.py): its rewrite has not run on a GPU.

@@ -245,6 +245,8 @@ KERNEL_CASES = [
     ("fp4", False, 16, 130, 384, "float32", "bfloat16", 64, 3),      # bf16 weights, fp32 rows
     ("nf4", True, 3, 40, 512, "float16", "float16", 128, 4),
     ("nf4", False, 2, 33, 128, "float16", "bfloat16", 32, 1),        # two roundings, as bnb + .to()
+    ("nf4", True, 20, 72, 256, "bfloat16", "bfloat16", 64, 2),       # a 32-row tile
+    ("fp4", True, 64, 40, 192, "bfloat16", "bfloat16", 64, "None"),  # a full 64-row tile
 ]
 
 
@@ -267,21 +269,23 @@ _HOPPER_CHECK = textwrap.dedent("""
     from flexrollout.kernels import gemv_4bit
 
     fn = gemv_4bit._kernel()
-    for x_type, w_type, nested, blocksize in (("bf16", "bf16", True, 64), ("fp16", "bf16", False, 128),
-                                              ("fp32", "fp32", True, 64)):
+    for x_type, w_type, nested, blocksize, block_m in (("bf16", "bf16", True, 64, 16), ("fp16", "bf16", False, 128, 16),
+                                                       ("fp32", "fp32", True, 64, 16), ("bf16", "bf16", True, 64, 64),
+                                                       ("bf16", "bf16", True, 256, 64), ("fp32", "fp32", False, 256, 64),
+                                                       ("fp32", "fp32", True, 128, 64)):
         types = dict(x_ptr="*" + x_type, packed_ptr="*u8", absmax_ptr="*u8" if nested else "*fp32",
                      code_ptr="*fp32", absmax2_ptr="*fp32", code2_ptr="*fp32", offset_ptr="*fp32",
                      out_ptr="*fp32")
         consts = dict(BLOCKSIZE=blocksize, BLOCKSIZE2=256, NESTED=nested,
                       W_DTYPE=tl.bfloat16 if w_type == "bf16" else tl.float32,
                       X_DTYPE={"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[x_type],
-                      EMULATE=False, BLOCK_M=16, BLOCK_N=gemv_4bit.BLOCK_N)
+                      EMULATE=False, BLOCK_M=block_m, BLOCK_N=gemv_4bit.BLOCK_N)
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
         src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": 4, "num_stages": 4})
+                                options={"num_warps": 4, "num_stages": gemv_4bit.pipeline_stages(blocksize)})
         assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
-        print(x_type, w_type, nested, blocksize, kernel.metadata.shared)
+        print(x_type, w_type, nested, blocksize, block_m, kernel.metadata.shared)
 """)
 
 
@@ -310,7 +314,7 @@ def test_4bit_kernel_takes_only_rows_of_whole_blocks(monkeypatch):
 
 
 # The engine's projections route to the kernel with `Kernels(quant_small=True)` (what
-# `LLM(quant_kernels=True)` sets for CUDA batches of <= 16 rows) and leave larger batches to
+# `LLM(quant_kernels=True)` sets for CUDA batches of <= 64 rows) and leave larger batches to
 # bitsandbytes' ops; run through `layers.linear.linear` as the models call it.
 _ROUTE_CHECK = textwrap.dedent("""
     import torch, bitsandbytes as bnb
@@ -325,7 +329,7 @@ _ROUTE_CHECK = textwrap.dedent("""
                                                  compress_statistics=True)
     p = Linear(packed, torch.randn(48), quant=state)
     weight = bnb.functional.dequantize_4bit(packed, state).double()
-    for rows, routed in ((1, True), (16, True), (17, False)):
+    for rows, routed in ((1, True), (20, True), (64, True), (65, False)):
         x = torch.randn(rows, 192)
         ref = x.double() @ weight.T + p.bias.double()
         for kernels, expect in ((Kernels(quant_small=True), routed), (Kernels(), False)):
@@ -340,11 +344,11 @@ _ROUTE_CHECK = textwrap.dedent("""
 
 def test_engine_projections_route_small_batches_to_the_4bit_kernel():
     pytest.importorskip("triton")
-    assert run_fresh_python(_ROUTE_CHECK, triton_interpret=True).strip() == "[1, 16]"
+    assert run_fresh_python(_ROUTE_CHECK, triton_interpret=True).strip() == "[1, 20, 64]"
 
 
 def test_quant_kernels_reach_the_forward_options():
-    """`LLM(quant_kernels=True)` asks the forward for the kernel up to its 16 rows (CUDA only:
+    """`LLM(quant_kernels=True)` asks the forward for the kernel up to its 64 rows (CUDA only:
     on CPU the option changes nothing, and generation still matches the default's)."""
     from flexrollout.kernels import gemv_4bit
 
@@ -360,7 +364,7 @@ def test_quant_kernels_reach_the_forward_options():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant_type, nested", [("nf4", True), ("fp4", False)])
-@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("m", [1, 8, 16, 40, 64])
 def test_4bit_kernel_on_cuda_matches_bitsandbytes(quant_type, nested, m):
     """Qwen3-4B's q and down projection shapes, bf16, against bitsandbytes' dequantised weight."""
     from flexrollout.kernels import gemv_4bit

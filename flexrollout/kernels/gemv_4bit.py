@@ -34,8 +34,12 @@ import os
 
 import torch
 
-# Largest row count this kernel serves (one 16-row tile: the matrix units' smallest operand).
-MAX_ROWS = 16
+from .small_linear import row_block
+
+# Largest row count this kernel serves: one row tile of 16, 32 or 64 rows (`row_block`), so a
+# program dequantises its weight tile once for all of a decode batch's rows. Past 64 rows
+# bitsandbytes' dequantise + matmul amortises its transient over enough rows.
+MAX_ROWS = 64
 BLOCK_N = 64
 # Quantisation block sizes it takes: a loop step holds a (BLOCK_N, blocksize / 2) byte tile.
 BLOCKSIZES = (32, 64, 128, 256)
@@ -55,6 +59,13 @@ def supported(x: torch.Tensor, quant_state) -> bool:
             and x.dtype in _TL_DTYPES and quant_state.dtype in _TL_DTYPES
             and quant_state.blocksize in BLOCKSIZES and quant_state.shape[1] % quant_state.blocksize == 0
             and quant_state.quant_type in ("nf4", "fp4"))
+
+
+def pipeline_stages(blocksize: int) -> int:
+    """Loads in flight per program: fewer for larger quantisation blocks, whose tiles would
+    otherwise overflow Hopper's 227 KB of shared memory (Triton 3.6 for sm_90, 4 warps: at
+    4 stages a 256-block tile needs 233-449 KB; with these, the most is 192 KB, fp32 rows of 64)."""
+    return 4 if blocksize <= 64 else (3 if blocksize == 128 else 2)
 
 
 def split_k(n: int, k: int, blocksize: int) -> int:
@@ -158,7 +169,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, quant_state, split: int | None
         BLOCKSIZE=blocksize, BLOCKSIZE2=state2.blocksize if nested else 1,
         NESTED=nested, W_DTYPE=getattr(tl, _TL_DTYPES[quant_state.dtype]),
         X_DTYPE=getattr(tl, _TL_DTYPES[x.dtype]), EMULATE=not x.is_cuda,
-        BLOCK_M=16, BLOCK_N=BLOCK_N, num_stages=4)
+        BLOCK_M=row_block(m), BLOCK_N=BLOCK_N, num_stages=pipeline_stages(blocksize))
     return out
 
 

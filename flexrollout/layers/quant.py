@@ -10,7 +10,7 @@ Nothing is stored beside the packed weights, and a transient lives only for its 
 None of these ops reads anything back to the host, so a decode step over 4-bit weights is
 captured as a CUDA graph like any other. bitsandbytes is imported only when such a model arrives.
 
-The Triton kernel of `kernels/gemv_4bit.py` serves batches of up to 16 rows only with
+The Triton kernel of `kernels/gemv_4bit.py` serves batches of up to 64 rows only with
 `EngineConfig.quant_kernels` (off by default): its first version took 375-1,690 us per Qwen3-4B
 projection on an H200 against bitsandbytes' 35-63 us at one row and 37-140 us (dequantise +
 matmul) at 8-16 rows (benchmarks/gemv_4bit_sweep.py, BENCHMARKS.md); its rewrite (per-block
