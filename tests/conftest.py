@@ -145,8 +145,9 @@ def make_tiny_model(
     hidden_size: int = 64,
     vocab_size: int = TINY_VOCAB,
     seed: int = 0,
+    layers: int = 2,
 ):
-    """(model, tokenizer): a 2-layer, hidden-64, fp32, eval-mode random model.
+    """(model, tokenizer): a 2-layer (`layers`), hidden-64, fp32, eval-mode random model.
 
     HF's init (std 0.02, RMSNorm weights 1, biases 0) gives nearly uniform attention, so positions barely
     matter and tied models just repeat their input token.  The weights are therefore re-drawn: q/k
@@ -161,7 +162,7 @@ def make_tiny_model(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,

@@ -9,6 +9,8 @@ PEFT's forward over it is then an exact QLoRA reference.
 """
 from __future__ import annotations
 
+import ast
+import os
 import textwrap
 
 import pytest
@@ -322,12 +324,12 @@ _ROUTE_CHECK = textwrap.dedent("""
     from flexrollout.layers.linear import Kernels, Linear, linear
 
     launches = []
-    launch = gemv_4bit.launch
-    gemv_4bit.launch = lambda *args, **kw: launches.append(args[0].shape[0]) or launch(*args, **kw)
+    launch = gemv_4bit._launch
+    gemv_4bit._launch = lambda *args, **kw: launches.append(args[0].shape[0]) or launch(*args, **kw)
     torch.manual_seed(0)
     packed, state = bnb.functional.quantize_4bit(torch.randn(48, 192), quant_type="nf4",
                                                  compress_statistics=True)
-    p = Linear(packed, torch.randn(48), quant=state)
+    p = Linear(packed, torch.randn(48), quant=gemv_4bit.Packed4bit.of(state))
     weight = bnb.functional.dequantize_4bit(packed, state).double()
     for rows, routed in ((1, True), (20, True), (64, True), (65, False)):
         x = torch.randn(rows, 192)
@@ -347,19 +349,54 @@ def test_engine_projections_route_small_batches_to_the_4bit_kernel():
     assert run_fresh_python(_ROUTE_CHECK, triton_interpret=True).strip() == "[1, 20, 64]"
 
 
-def test_quant_kernels_reach_the_forward_options():
-    """`LLM(quant_kernels=True)` asks the forward for the kernel up to its 64 rows (CUDA only:
-    on CPU the option changes nothing, and generation still matches the default's)."""
+# With the kernel, a 4-bit model's decode steps compile their layers (bitsandbytes' ops do not
+# trace, so without it they run uncompiled): forced on CPU here, as on CUDA, through dynamo's
+# eager backend and Triton's interpreter. Prefill stays eager (bitsandbytes past 64 rows, the
+# kernel below).
+_COMPILE_CHECK = textwrap.dedent("""
+    import sys
+    from dataclasses import replace
+    import torch, torch._dynamo.utils as dynamo_utils
+    sys.path.insert(0, {tests!r})
+    from conftest import make_tiny_model
+    from test_quant4bit import GREEDY, PROMPTS, _hf_greedy, _quantize_projections, dequantized_reference
+    from flexrollout import LLM
     from flexrollout.kernels import gemv_4bit
 
-    model, tok = _model()
-    runs = []
-    for on in (True, False):
-        llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=2, quant_kernels=on)
-        assert llm.llm_engine.runner.forward.options.quant_rows == (gemv_4bit.MAX_ROWS if on else 0)
-        runs.append([o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)])
-    assert runs[0] == runs[1]
+    model, tok = make_tiny_model("llama", seed=4, layers=4)
+    model = _quantize_projections(model, "nf4", True)
+    llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=4, quant_kernels=True)
+    forward = llm.llm_engine.forward
+    assert forward.options.quant_rows == 0 and not forward.options.compile_layers   # CUDA only
+    forward.prepare(replace(forward.options, compile_layers=True, compile_backend="eager",
+                            quant_rows=gemv_4bit.MAX_ROWS))
+    assert forward.options.compile_layers
+    launches = []
+    launch = gemv_4bit._launch
+    gemv_4bit._launch = lambda *args, **kw: launches.append(args[0].shape[0]) or launch(*args, **kw)
+    dynamo_utils.clear_compilation_metrics()
+    outs = llm.generate([{{"prompt_token_ids": p}} for p in PROMPTS], GREEDY, use_tqdm=False)
+    reference = dequantized_reference(model)
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(reference, p, 10) for p in PROMPTS]
+    # the packed prefill (20 rows, eager) and the decode steps (3 rows, compiled)
+    assert set(launches) == {{sum(map(len, PROMPTS)), len(PROMPTS)}}, launches
+    counts = {{}}
+    for m in dynamo_utils.get_compilation_metrics():
+        if m.co_filename and "flexrollout" in m.co_filename:
+            counts[m.co_name] = counts.get(m.co_name, 0) + 1
+    print(sorted(counts.items()))
+""")
+
+
+def test_4bit_decode_compiles_its_layers_with_the_kernel():
+    """Decode's layer functions trace the 4-bit kernel (fullgraph: a graph break would raise),
+    give HF's tokens on the dequantised reference, and compile once per function and batch
+    specialisation, not once per layer: the three fused layer boundaries of 4 layers share
+    their compile."""
+    pytest.importorskip("triton")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    counts = dict(ast.literal_eval(run_fresh_python(_COMPILE_CHECK.format(tests=tests), triton_interpret=True)))
+    assert counts.get("post_then_pre", 0) >= 1 and max(counts.values()) <= 2, counts
 
 
 @pytest.mark.gpu
@@ -389,8 +426,8 @@ def test_quant_kernels_decode_like_bitsandbytes_ops_on_cuda(dtype, monkeypatch):
     from flexrollout.kernels import gemv_4bit
 
     launches = []
-    launch = gemv_4bit.launch
-    monkeypatch.setattr(gemv_4bit, "launch", lambda *a, **kw: launches.append(a[0].shape[0]) or launch(*a, **kw))
+    launch = gemv_4bit._launch
+    monkeypatch.setattr(gemv_4bit, "_launch", lambda *a, **kw: launches.append(a[0].shape[0]) or launch(*a, **kw))
     model, tok = _tiny("llama")
     model = _quantize_projections(model.to("cuda", dtype), "nf4", True)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)

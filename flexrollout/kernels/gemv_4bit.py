@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -50,15 +51,59 @@ MAX_SPLIT = 8
 _TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+@dataclass(frozen=True)
+class Packed4bit:
+    """What the kernel reads of a bitsandbytes QuantState, flattened: its tensors, where
+    bitsandbytes keeps them (the kernel op's inputs), and its constants, which every projection
+    of a model shares but the shape, so compiled code serves every layer with one compile.
+    `state` is bitsandbytes' own object, for its ops."""
+
+    absmax: torch.Tensor          # fp32 per block; uint8 codes when nested
+    code: torch.Tensor            # the 16-entry code (nf4 or fp4), fp32
+    absmax2: torch.Tensor         # nested: the second level's fp32 absmax; else `absmax` (unread)
+    code2: torch.Tensor           # nested: the second level's code; else `code` (unread)
+    offset: torch.Tensor          # nested: added to every absmax; else `absmax` (unread)
+    shape: tuple[int, int]        # the weight's (out, in)
+    blocksize: int
+    blocksize2: int               # 1 when not nested
+    nested: bool
+    dtype: torch.dtype            # what bitsandbytes dequantises to
+    quant_type: str
+    state: object
+
+    @staticmethod
+    def of(state) -> Packed4bit:
+        nested = bool(state.nested)
+        code = state.code.to(device=state.absmax.device, dtype=torch.float32)   # 16 values
+        return Packed4bit(
+            state.absmax, code, state.state2.absmax if nested else state.absmax,
+            state.state2.code if nested else code, state.offset if nested else state.absmax,
+            tuple(state.shape), state.blocksize, state.state2.blocksize if nested else 1, nested,
+            state.dtype, state.quant_type, state)
+
+
+def takes_weight(q: Packed4bit) -> bool:
+    """The kernel reads this weight: rows of whole quantisation blocks of a size it tiles."""
+    return (q.dtype in _TL_DTYPES and q.blocksize in BLOCKSIZES and q.shape[1] % q.blocksize == 0
+            and q.quant_type in ("nf4", "fp4"))
+
+
+def takes(x: torch.Tensor, q: Packed4bit) -> bool:
+    """The kernel computes x @ W^T: a 2-D batch of at most MAX_ROWS 16/32-bit rows over a
+    weight it reads (the caller knows the device runs Triton)."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.stride(1) == 1
+            and x.dtype in _TL_DTYPES and takes_weight(q))
+
+
 def supported(x: torch.Tensor, quant_state) -> bool:
-    """Whether this kernel can run x @ W^T for a weight with this quant state: a 2-D CUDA
-    batch of at most MAX_ROWS 16/32-bit rows over rows of whole quantisation blocks.
-    Under Triton's interpreter (TRITON_INTERPRET=1, tests) CPU batches run it too."""
+    """`takes` on CUDA, or under Triton's interpreter (TRITON_INTERPRET=1, tests) on CPU; for a
+    bitsandbytes QuantState or a Packed4bit."""
     on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return (on_device and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.stride(1) == 1
-            and x.dtype in _TL_DTYPES and quant_state.dtype in _TL_DTYPES
-            and quant_state.blocksize in BLOCKSIZES and quant_state.shape[1] % quant_state.blocksize == 0
-            and quant_state.quant_type in ("nf4", "fp4"))
+    return on_device and takes(x, _packed(quant_state))
+
+
+def _packed(quant_state) -> Packed4bit:
+    return quant_state if isinstance(quant_state, Packed4bit) else Packed4bit.of(quant_state)
 
 
 def pipeline_stages(blocksize: int) -> int:
@@ -73,6 +118,17 @@ def split_k(n: int, k: int, blocksize: int) -> int:
     while blocks * split < MIN_PROGRAMS and split < MAX_SPLIT and k >= 2 * split * blocksize:
         split *= 2
     return split
+
+
+def k_slices(n: int, k: int, blocksize: int, split: int | None = None) -> tuple[int, int]:
+    """(slices, columns per slice): whole blocks per slice, `split` slices at most."""
+    split = split or split_k(n, k, blocksize)
+    k_per = _cdiv(_cdiv(k, split), blocksize) * blocksize
+    return _cdiv(k, k_per), k_per
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @functools.cache
@@ -143,38 +199,56 @@ def _kernel():
 
 def launch(x: torch.Tensor, packed: torch.Tensor, quant_state, split: int | None = None) -> torch.Tensor:
     """fp32 partials (split, M, N) of x @ dequant(W)^T (CUDA, or Triton's interpreter on CPU
-    tensors in tests). Reads `packed` and the quant state's tensors where they are."""
+    tensors in tests), for a bitsandbytes QuantState or a Packed4bit. Reads `packed` and the
+    quant state's tensors where they are."""
+    q = _packed(quant_state)
+    k = x.shape[1]
+    if q.shape[1] != k or not takes_weight(q):
+        raise ValueError(f"4-bit weight of shape {q.shape} and block size {q.blocksize} "
+                         f"for input width {k}: the kernel needs whole blocks of {BLOCKSIZES} per row")
+    return _launch(x, packed, q.absmax, q.code, q.absmax2, q.code2, q.offset, q.shape[0], q.blocksize,
+                   q.blocksize2, q.nested, q.dtype, split)
+
+
+def _launch(x, packed, absmax, code, absmax2, code2, offset, n: int, blocksize: int, blocksize2: int,
+            nested: bool, w_dtype: torch.dtype, split: int | None = None) -> torch.Tensor:
     import triton
     import triton.language as tl
 
     m, k = x.shape
-    n = quant_state.shape[0]
-    blocksize = quant_state.blocksize
-    if tuple(quant_state.shape) != (n, k) or blocksize not in BLOCKSIZES or k % blocksize:
-        raise ValueError(f"4-bit weight of shape {tuple(quant_state.shape)} and block size {blocksize} "
-                         f"for input width {k}: the kernel needs whole blocks of {BLOCKSIZES} per row")
-    split = split or split_k(n, k, blocksize)
-    k_per = triton.cdiv(triton.cdiv(k, split), blocksize) * blocksize
-    split = triton.cdiv(k, k_per)
+    split, k_per = k_slices(n, k, blocksize, split)
     out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    nested = bool(quant_state.nested)
-    state2 = quant_state.state2 if nested else None
-    absmax = quant_state.absmax
-    code = quant_state.code.to(device=x.device, dtype=torch.float32)
     _kernel()[(triton.cdiv(n, BLOCK_N), split)](
-        x, packed, absmax, code,
-        state2.absmax if nested else absmax, state2.code if nested else code,
-        quant_state.offset if nested else absmax,
+        x, packed, absmax, code, absmax2, code2, offset,
         out, m, n, k, k_per, x.stride(0), out.stride(0), out.stride(1),
-        BLOCKSIZE=blocksize, BLOCKSIZE2=state2.blocksize if nested else 1,
-        NESTED=nested, W_DTYPE=getattr(tl, _TL_DTYPES[quant_state.dtype]),
+        BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2,
+        NESTED=nested, W_DTYPE=getattr(tl, _TL_DTYPES[w_dtype]),
         X_DTYPE=getattr(tl, _TL_DTYPES[x.dtype]), EMULATE=not x.is_cuda,
         BLOCK_M=row_block(m), BLOCK_N=BLOCK_N, num_stages=pipeline_stages(blocksize))
     return out
 
 
+@torch.library.custom_op("flexrollout::gemv_4bit", mutates_args=())
+def gemv_4bit(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+              absmax2: torch.Tensor, code2: torch.Tensor, offset: torch.Tensor, n: int,
+              blocksize: int, blocksize2: int, nested: bool, w_dtype: torch.dtype) -> torch.Tensor:
+    """The kernel as an op torch.compile traces (a graph input per tensor), like small_linear:
+    fp32 partials (split, M, N)."""
+    return _launch(x, packed, absmax, code, absmax2, code2, offset, n, blocksize, blocksize2,
+                   nested, w_dtype)
+
+
+@gemv_4bit.register_fake
+def _(x, packed, absmax, code, absmax2, code2, offset, n, blocksize, blocksize2, nested, w_dtype):
+    return x.new_empty(k_slices(n, x.shape[1], blocksize)[0], x.shape[0], n, dtype=torch.float32)
+
+
 def project(x: torch.Tensor, packed: torch.Tensor, quant_state,
             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ dequant(W)^T + b in x's dtype, for a batch `supported` accepts."""
-    out = launch(x, packed, quant_state).sum(0).to(x.dtype)
+    """x @ dequant(W)^T + b in x's dtype, for a batch the kernel takes; traceable by
+    torch.compile for a Packed4bit."""
+    q = _packed(quant_state)
+    parts = gemv_4bit(x, packed, q.absmax, q.code, q.absmax2, q.code2, q.offset, q.shape[0],
+                      q.blocksize, q.blocksize2, q.nested, q.dtype)
+    out = parts.sum(0).to(x.dtype)
     return out if bias is None else out + bias

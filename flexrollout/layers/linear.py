@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..kernels import lora as lora_kernels
 from ..kernels import small_linear as gemv
 from ..lora.live import active_adapters
-from .quant import project_4bit, quant_state_of
+from .quant import packed_4bit, project_4bit
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Linear:
     # lora_mode="merged": the unmerged base weight, read by rows outside `live_mask` (a
     # LoRARequest row must not see the merged live adapters).
     unmerged: torch.Tensor | None = None
-    # A bitsandbytes 4-bit weight's QuantState (`weight` is then its packed uint8 data).
+    # A bitsandbytes 4-bit weight's quant state (`weight` is then its packed uint8 data).
     quant: object | None = None
 
     @property
@@ -91,7 +91,7 @@ def read_linear(module: torch.nn.Module, merged=None) -> Linear:
     if merged is not None and merged.has(module):
         return Linear(merged.weight(module), base.bias, unmerged=base.weight)
     return Linear(base.weight, base.bias, tuple(active_adapters(module)),
-                  quant=quant_state_of(base.weight))
+                  quant=packed_4bit(base.weight))
 
 
 def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import gemv_4bit
+from ..kernels.gemv_4bit import Packed4bit
 
 
 def quant_state_of(weight: torch.Tensor):
@@ -44,17 +45,24 @@ def dequantize_4bit(weight: torch.Tensor, quant_state, dtype: torch.dtype) -> to
     return dequantize(weight, quant_state).to(dtype)
 
 
-def project_4bit(x: torch.Tensor, weight: torch.Tensor, quant_state,
+def packed_4bit(weight: torch.Tensor) -> Packed4bit | None:
+    """A 4-bit weight's quant state as the engine's projections read it, or None."""
+    state = quant_state_of(weight)
+    return None if state is None else Packed4bit.of(state)
+
+
+def project_4bit(x: torch.Tensor, weight: torch.Tensor, quant: Packed4bit,
                  bias: torch.Tensor | None = None, triton_gemv: bool = False) -> torch.Tensor:
-    """x @ W^T + b for a packed 4-bit weight, in x's dtype. `triton_gemv`: our GEMV kernel
-    where it takes the batch (`EngineConfig.quant_kernels`)."""
-    if triton_gemv and gemv_4bit.supported(x, quant_state):
-        return gemv_4bit.project(x, weight, quant_state, bias)
+    """x @ W^T + b for a packed 4-bit weight, in x's dtype. `triton_gemv` (the step runs where
+    Triton does, `EngineConfig.quant_kernels`): our GEMV kernel where it takes the batch, the
+    one path compiled code may take; else bitsandbytes' ops."""
+    if triton_gemv and gemv_4bit.takes(x, quant):
+        return gemv_4bit.project(x, weight, quant, bias)
     if x.is_cuda:
         import bitsandbytes as bnb
 
-        return bnb.matmul_4bit(x, weight.t(), quant_state=quant_state, bias=bias)
-    return F.linear(x, dequantize_4bit(weight, quant_state, x.dtype), bias)
+        return bnb.matmul_4bit(x, weight.t(), quant_state=quant.state, bias=bias)
+    return F.linear(x, dequantize_4bit(weight, quant.state, x.dtype), bias)
 
 
 def quant_state_bytes(weight: torch.Tensor) -> int:

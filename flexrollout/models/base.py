@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from ..attention.flex import AttentionMetadata, paged_attention
 from ..compile import compiled
 from ..kernels import small_linear as gemv
+from ..kernels.gemv_4bit import takes_weight
 from ..kernels.lora import MAX_ROWS as LORA_MAX_ROWS
 from ..layers.linear import Kernels, Linear, gemv_ready, linear, read_linear
 from ..layers.norm import LLAMA, rms_norm
@@ -180,10 +181,14 @@ class DecoderForward:
         self.options = options
         self._rope = self.rope_tables(options.max_len)
         small = options.small_rows if self._gemv_ready() else 0
-        # 4-bit weights run bitsandbytes' ops outside torch.compile (its QuantState is a plain
-        # object whose fields dynamo would guard per projection); decode graphs still capture them.
-        compile_layers = options.compile_layers and not self.quantized
-        self.options = replace(options, small_rows=min(small, gemv.MAX_ROWS), compile_layers=compile_layers)
+        # A 4-bit model compiles its layers only where every 4-bit projection runs our kernel
+        # (`quant_rows`: decode steps of up to that many rows, see `_eager`), an op made for
+        # torch.compile; bitsandbytes' ops stay uncompiled. Decode graphs capture either way.
+        self._has_4bit = self.quantized
+        quant_rows = options.quant_rows if self._quant_kernel_ready() else 0
+        compile_layers = options.compile_layers and (not self._has_4bit or quant_rows > 0)
+        self.options = replace(options, small_rows=min(small, gemv.MAX_ROWS), compile_layers=compile_layers,
+                               quant_rows=quant_rows)
         self._compiled = {}     # compiled under the options they were built with
 
     def refresh(self) -> bool:
@@ -287,14 +292,18 @@ class DecoderForward:
                           expert_rows=self.options.expert_rows if input_ids.is_cuda else 0,
                           lora_small=lora_small, lora_expand=lora_kernels and not lora_small,
                           lora_rows=lora_kernels and self.options.lora_rows,
-                          quant_small=input_ids.is_cuda and input_ids.shape[0] <= self.options.quant_rows)
+                          quant_small=input_ids.shape[0] <= self.options.quant_rows)
         return Step(meta, cache, rope, kernels, {})
 
     def _eager(self, meta: AttentionMetadata) -> bool:
         """The layer functions run uncompiled: compilation is off, or the step's LoRARequest rows
         take the per-adapter path (`LoraBatch`: each count of adapters would be another
-        specialisation). Rows reading the adapter table (`TableBatch`) compile like any others."""
-        return not self.options.compile_layers or (meta.lora is not None and not meta.lora.compiles)
+        specialisation), or a 4-bit model's step is past its kernel's rows (bitsandbytes' ops).
+        Rows reading the adapter table (`TableBatch`) compile like any others."""
+        past_quant_kernel = self._has_4bit and not (
+            meta.decode and meta.positions.shape[0] <= self.options.quant_rows)
+        return (not self.options.compile_layers or past_quant_kernel
+                or (meta.lora is not None and not meta.lora.compiles))
 
     def _fn(self, fn, eager: bool):
         """`fn` compiled (once per function, batch dimension dynamic), or as is."""
@@ -309,6 +318,11 @@ class DecoderForward:
     def quantized(self) -> bool:
         """Some projection reads bitsandbytes 4-bit weights."""
         return any(p.quant is not None for layer in self._linears for p in layer.values())
+
+    def _quant_kernel_ready(self) -> bool:
+        """Our 4-bit kernel reads every 4-bit projection (block sizes and widths it tiles)."""
+        return all(takes_weight(p.quant) for layer in self._linears for p in layer.values()
+                   if p.quant is not None)
 
     def _gemv_ready(self) -> bool:
         """Every projection can run small batches through a GEMV kernel (16-bit: CUDA,
