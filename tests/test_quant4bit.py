@@ -473,3 +473,91 @@ def test_4bit_decode_graphs_match_eager_on_cuda(arch, dtype):
     if dtype == torch.float32:
         reference = dequantized_reference(model)
         assert [t for t, _ in runs[False]] == [_hf_greedy(reference, p, 10) for p in PROMPTS]
+
+
+def _qlora_projection(out: int, k: int, rank: int, scaling: float):
+    """A 4-bit (nf4, nested) projection with a live fp32 adapter of `rank` (0: none), and its
+    float64 reference W x + s B (A x) over bitsandbytes' dequantised weight."""
+    from flexrollout.kernels.gemv_4bit import Packed4bit
+    from flexrollout.layers.linear import Linear
+
+    packed, state = bnb.functional.quantize_4bit(torch.randn(out, k), quant_type="nf4", compress_statistics=True)
+    adapter = (torch.randn(rank, k) / k ** 0.5, torch.randn(out, rank), scaling) if rank else None
+    weight = bnb.functional.dequantize_4bit(packed, state).double()
+
+    def reference(x):
+        y = x.double() @ weight.T
+        if adapter is not None:
+            y = y + scaling * (x.double() @ adapter[0].double().T) @ adapter[1].double().T
+        return y
+
+    return Linear(packed, None, (adapter,) if adapter else (), quant=Packed4bit.of(state)), reference
+
+
+@pytest.mark.parametrize("rows, kernels", [(3, "lora_small"), (40, "lora_expand"), (3, None)])
+def test_qlora_projections_take_one_shrink_per_group_and_an_expand_per_adapter(rows, kernels, monkeypatch):
+    """QLoRA: 4-bit projections with live adapters take the LoRA kernels at every batch size the
+    engine runs them (off CUDA, their ops' torch paths: the kernels' contract): one shrink per
+    group of projections of one input, the 4-bit projection, one expand per adapted projection;
+    without the LoRA kernels, the unfused path. Each against float64 over the dequantised weight."""
+    import functools
+
+    import torch.nn.functional as F
+
+    from flexrollout.kernels import lora as lk
+    from flexrollout.layers.linear import Kernels, gated_act, linear, project_group
+
+    torch.manual_seed(rows)
+    calls = {"shrink": 0, "expand": 0}
+    for name in calls:
+        op = getattr(lk, f"lora_{name}")
+        monkeypatch.setattr(lk, f"lora_{name}", lambda *a, _op=op, _n=name, **kw: calls.__setitem__(_n, calls[_n] + 1) or _op(*a, **kw))
+    step = Kernels(**{kernels: True}) if kernels else Kernels()
+    x = torch.randn(rows, 256)
+    qkv = [_qlora_projection(96, 256, 16, 2.0), _qlora_projection(32, 256, 0, 1.0), _qlora_projection(32, 256, 8, 0.5)]
+    for out, (_, reference) in zip(project_group(x, [p for p, _ in qkv], step), qkv):
+        assert out.dim() == 2
+        torch.testing.assert_close(out.double(), reference(x), rtol=1e-5, atol=1e-4)
+    (gate, gate_ref), (up, up_ref) = _qlora_projection(64, 256, 8, 2.0), _qlora_projection(64, 256, 8, 2.0)
+    act = functools.partial(F.gelu, approximate="tanh")
+    torch.testing.assert_close(gated_act(x, gate, up, act, step).double(), act(gate_ref(x)) * up_ref(x),
+                               rtol=1e-5, atol=1e-4)
+    down, down_ref = _qlora_projection(256, 64, 16, 0.5)
+    hidden = torch.randn(rows, 64)
+    torch.testing.assert_close(linear(hidden, down, step).double(), down_ref(hidden), rtol=1e-5, atol=1e-4)
+    assert calls == ({"shrink": 3, "expand": 5} if kernels else {"shrink": 0, "expand": 0})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant_kernels", [False, True], ids=["bnb_ops", "quant_kernels"])
+def test_qlora_decode_on_cuda_matches_peft_and_follows_updates(quant_kernels):
+    """fp32 QLoRA on the GPU (adapters on all seven projections): decode from graphs with the
+    LoRA kernels around bitsandbytes' ops or our 4-bit kernel gives PEFT's greedy tokens, before
+    and after an in-place update of the adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = _tiny("llama")
+    model = _quantize_projections(model.to("cuda"), "nf4", True)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    pm = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets)).eval()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    llm = LLM(pm, tokenizer=tok, max_model_len=64, max_num_seqs=4, quant_kernels=quant_kernels)
+
+    def peft_greedy(prompt):
+        ids = torch.tensor([prompt], device="cuda")
+        out = pm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                          min_new_tokens=10, do_sample=False, eos_token_id=[], pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [peft_greedy(p) for p in PROMPTS]
+        with torch.no_grad():                          # an optimizer step, in place
+            for name, p in pm.named_parameters():
+                if "lora_A" in name:
+                    p.add_(torch.randn_like(p) * 0.5)
+    assert llm.llm_engine.runner.graphs.graphs, "decode should have replayed a captured graph"

@@ -16,8 +16,9 @@ stay one launch feeding the q/k/v epilogue and gate/up one launch with SiLU-mul.
 batches (`Kernels.lora_expand`: big decode batches, prefill) run cuBLAS for W x, the same one
 shrink per group, and one expand launch per projection that adds B (s A x) and rounds once, where
 the unfused path casts PEFT's fp32 A and B every step and launches five kernels per projection.
-Everything else (more rows, LoRARequest rows, several live adapters on one layer,
-4-bit weights, ranks past `kernels.lora.MAX_RANK`, CPU) runs `_add_low_rank`.
+4-bit bases with adapters (QLoRA) take the same shrink and expand around their 4-bit projection
+at every batch size. Everything else (LoRARequest rows unless `Kernels.lora_rows`, several
+adapter terms on one projection, ranks past `kernels.lora.MAX_RANK`, CPU) runs `_add_low_rank`.
 """
 from __future__ import annotations
 
@@ -154,12 +155,15 @@ def _adapter_of(p: Linear) -> tuple | None:
 
 
 def _fusable(p: Linear, kernels: Kernels) -> bool:
-    """The GEMV kernel can compute this projection: plain, or with one adapter term of a rank
-    it takes (row-masked terms when `kernels.lora_rows`). Several terms, 4-bit weights and
-    larger ranks run `linear`."""
-    if p.plain:
-        return True
-    term = _adapter_of(p) if p.quant is None else None
+    """The GEMV kernel can compute this projection: plain, or 16-bit with one adapter term the
+    LoRA kernels take. Several terms, 4-bit weights and larger ranks run `linear`."""
+    return p.plain or (p.quant is None and _term_fits(p, kernels))
+
+
+def _term_fits(p: Linear, kernels: Kernels) -> bool:
+    """p has one adapter term of a rank the LoRA kernels take (row-masked terms when
+    `kernels.lora_rows`), in tensors they read."""
+    term = _adapter_of(p)
     if term is None:
         return False
     lora_a, lora_b, _, mask = term
@@ -182,20 +186,29 @@ def _on_gemv(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bo
 
 
 def _on_expand(projections: list[Linear], kernels: Kernels) -> bool:
-    """These projections run cuBLAS + the expand kernel: a batch past the GEMV whose live
-    adapters the kernels take."""
-    return (kernels.lora_expand and all(_fusable(p, kernels) for p in projections)
-            and any(_adapter_of(p) is not None for p in projections))
+    """These projections run W x (cuBLAS, or the 4-bit projection) + the expand kernel: a batch
+    past the GEMV whose adapters the kernels take, or 4-bit bases with adapters (QLoRA) at any
+    batch the LoRA kernels run, where the unfused path cast and applied each adapter alone."""
+    if not any(_adapter_of(p) is not None for p in projections):
+        return False
+    if any(p.quant is not None for p in projections):
+        return ((kernels.lora_small or kernels.lora_expand)
+                and all(len(p.lora) + len(p.row_lora) == 0 or _term_fits(p, kernels) for p in projections))
+    return kernels.lora_expand and all(_fusable(p, kernels) for p in projections)
 
 
 def _expand_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:
-    """Each projection's W x + b from cuBLAS, then B (s A x) added by the expand kernel (rounded
-    once, PEFT's order), the group's s A x from one shrink launch."""
+    """Each projection's W x + b from cuBLAS (or its 4-bit projection), then B (s A x) added by
+    the expand kernel (rounded once, PEFT's order for 16-bit bases), the group's s A x from one
+    shrink launch."""
     low_rank, lora_b = _shrink(x, projections, kernels)
     r_block = lora_kernels.rank_block([0 if b is None else b.shape[1] for b in lora_b])
     outs = []
     for slot, (p, b) in enumerate(zip(projections, lora_b)):
-        out = F.linear(x, p.weight, p.bias)
+        if p.quant is not None:
+            out = project_4bit(x, p.weight, p.quant, p.bias, kernels.quant_small)
+        else:
+            out = F.linear(x, p.weight, p.bias)
         outs.append(out if b is None else lora_kernels.lora_expand(out, low_rank, b, slot, r_block,
                                                                    kernels.pdl))
     return outs
