@@ -47,6 +47,7 @@
 #              graphs, where NF4's batch-1 step goes (profile), and the rewritten 4-bit GEMV: its
 #              GPU tests, then against bitsandbytes' ops (gemv_4bit_sweep.py) and in the engine
 #              (quant_kernels) at batch 1 / 8 / 64
+#   qlora_next: (carry .whl) QLoRA decode, bitsandbytes' ops against quant_kernels
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
 mkdir -p "$out"
@@ -249,11 +250,17 @@ nf4_next)
     --json "$out/nf4.json" | tail -6 > "$out/nf4.txt"
   timeout 120 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 1 --quantization bnb-nf4 2>&1 \
     | filter | head -30 > "$out/nf4_profile.txt"
-  gputest 150 tests/test_quant4bit.py -k "kernel_on_cuda or quant_kernels" | tail -4 > "$out/kernel_test.txt"
+  gputest 200 tests/test_quant4bit.py -k "kernel_on_cuda or quant_kernels or qlora_decode" | tail -4 > "$out/kernel_test.txt"
   timeout 120 python3 benchmarks/gemv_4bit_sweep.py --rows 1,8,16,32,64 2>&1 | filter | tail -20 > "$out/gemv_4bit.txt"
   bench 180 --preset qwen3-4b --batch-sizes 1,8,64 --quantization bnb-nf4 --engine-args '{"quant_kernels": true}' \
     --json "$out/nf4_triton.json" | tail -4 > "$out/nf4_triton.txt"
   names="gpu nf4 nf4_profile kernel_test gemv_4bit nf4_triton" ;;
+qlora_next)
+  # QLoRA decode (NF4 base + live r=32 on all seven projections) with bitsandbytes' ops and with
+  # quant_kernels (our 4-bit GEMV, layers compiled); the NF4 base alone comes from nf4_next.
+  nf4="--preset qwen3-4b --batch-sizes 1,8,64 --quantization bnb-nf4 --lora-rank 32"
+  { bench 180 $nf4 | tail -4; bench 180 $nf4 --engine-args '{"quant_kernels": true}' | tail -4; } > "$out/qlora.txt"
+  names="gpu qlora" ;;
 gemma_compile)
   for preset in gemma-4-e2b qwen3-4b; do
     timeout 150 python3 benchmarks/compile_count.py --preset $preset --batch-sizes 1,8,64 2>&1 | filter | tail -12
