@@ -365,19 +365,39 @@ _COMPILE_CHECK = textwrap.dedent("""
 
     model, tok = make_tiny_model("llama", seed=4, layers=4)
     model = _quantize_projections(model, "nf4", True)
+    if {qlora}:          # live adapters on every projection: the LoRA kernels around the 4-bit one
+        from peft import LoraConfig, get_peft_model
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets)).eval()
+        torch.manual_seed(3)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.3)
+        reference = model                              # PEFT's own forward over bitsandbytes'
+    else:
+        reference = dequantized_reference(model)
     llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=4, quant_kernels=True)
     forward = llm.llm_engine.forward
-    assert forward.options.quant_rows == 0 and not forward.options.compile_layers   # CUDA only
-    forward.prepare(replace(forward.options, compile_layers=True, compile_backend="eager",
-                            quant_rows=gemv_4bit.MAX_ROWS))
+    options = forward.options                          # CUDA only: quant_rows, LoRA kernels, compile
+    assert options.quant_rows == 0 and not options.lora_kernels and not options.compile_layers
+    traced = set()                                     # the ops dynamo put in the compiled graphs
+
+    def backend(graph, example_inputs):
+        traced.update(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+        return graph.forward
+
+    forward.prepare(replace(options, compile_layers=True, compile_backend=backend,
+                            quant_rows=gemv_4bit.MAX_ROWS, lora_kernels=True))
     assert forward.options.compile_layers
-    launches = []
+    launches = []                                      # (inside the op: not traced)
     launch = gemv_4bit._launch
     gemv_4bit._launch = lambda *args, **kw: launches.append(args[0].shape[0]) or launch(*args, **kw)
     dynamo_utils.clear_compilation_metrics()
     outs = llm.generate([{{"prompt_token_ids": p}} for p in PROMPTS], GREEDY, use_tqdm=False)
-    reference = dequantized_reference(model)
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(reference, p, 10) for p in PROMPTS]
+    assert "flexrollout.gemv_4bit.default" in traced, traced
+    assert ("flexrollout.lora_expand.default" in traced) == {qlora}, traced
     # the packed prefill (20 rows, eager) and the decode steps (3 rows, compiled)
     assert set(launches) == {{sum(map(len, PROMPTS)), len(PROMPTS)}}, launches
     counts = {{}}
@@ -388,14 +408,16 @@ _COMPILE_CHECK = textwrap.dedent("""
 """)
 
 
-def test_4bit_decode_compiles_its_layers_with_the_kernel():
+@pytest.mark.parametrize("qlora", [False, True], ids=["nf4", "qlora"])
+def test_4bit_decode_compiles_its_layers_with_the_kernel(qlora):
     """Decode's layer functions trace the 4-bit kernel (fullgraph: a graph break would raise),
-    give HF's tokens on the dequantised reference, and compile once per function and batch
-    specialisation, not once per layer: the three fused layer boundaries of 4 layers share
-    their compile."""
+    and with live adapters the LoRA kernels around it; they give HF's tokens on the dequantised
+    reference (PEFT's with adapters), and compile once per function and batch specialisation,
+    not once per layer: the three fused layer boundaries of 4 layers share their compile."""
     pytest.importorskip("triton")
     tests = os.path.dirname(os.path.abspath(__file__))
-    counts = dict(ast.literal_eval(run_fresh_python(_COMPILE_CHECK.format(tests=tests), triton_interpret=True)))
+    code = _COMPILE_CHECK.format(tests=tests, qlora=qlora)
+    counts = dict(ast.literal_eval(run_fresh_python(code, triton_interpret=True)))
     assert counts.get("post_then_pre", 0) >= 1 and max(counts.values()) <= 2, counts
 
 

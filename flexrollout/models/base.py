@@ -57,9 +57,11 @@ class ForwardOptions:
     expert_rows: int = 0            # MoE steps up to this many (token, expert) rows: grouped GEMV
     lora_rows: bool = False         # LoRARequest rows' adapter terms take the LoRA kernels
     quant_rows: int = 0             # 4-bit projections up to this many rows: our Triton GEMV (0: never)
+    lora_kernels: bool = False      # live adapters take the LoRA kernels (CUDA)
     # torch.compile backend of the layer functions; analysis and tests count dynamo's compiles
-    # with "eager" (dynamo's guards decide recompiles, not the backend), which is fast on CPU.
-    compile_backend: str = "inductor"
+    # with "eager" (dynamo's guards decide recompiles, not the backend), which is fast on CPU,
+    # or pass a backend function that reads the traced graphs.
+    compile_backend: str | Callable = "inductor"
 
 
 @dataclass(frozen=True)
@@ -286,7 +288,7 @@ class DecoderForward:
         small = input_ids.is_cuda and input_ids.shape[0] <= self.options.small_rows
         # The live-LoRA kernels run where the GEMV's do (CUDA, small_batch_kernels on): the
         # folded GEMV up to its rows, cuBLAS plus one expand per adapter past them.
-        lora_kernels = input_ids.is_cuda and self.options.small_rows > 0
+        lora_kernels = self.options.lora_kernels and self.options.small_rows > 0
         lora_small = lora_kernels and input_ids.shape[0] <= LORA_MAX_ROWS
         kernels = Kernels(small=small, pdl=self.options.gemv_pdl, epilogue=self.options.qkv_epilogue,
                           expert_rows=self.options.expert_rows if input_ids.is_cuda else 0,
