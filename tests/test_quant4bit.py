@@ -51,6 +51,20 @@ def _model(quant_type="nf4", double_quant=True):
     return _quantize_projections(model, quant_type, double_quant), tok
 
 
+def with_lora(model):
+    """`model` in PEFT LoRA (r=8) on all seven projections, B drawn so that the adapters matter."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    pm = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets)).eval()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    return pm
+
+
 def dequantized_reference(model):
     """A plain fp32 copy of `model` with each Linear4bit's weight dequantised (test-side only)."""
     import copy
@@ -359,22 +373,14 @@ _COMPILE_CHECK = textwrap.dedent("""
     import torch, torch._dynamo.utils as dynamo_utils
     sys.path.insert(0, {tests!r})
     from conftest import make_tiny_model
-    from test_quant4bit import GREEDY, PROMPTS, _hf_greedy, _quantize_projections, dequantized_reference
+    from test_quant4bit import GREEDY, PROMPTS, _hf_greedy, _quantize_projections, dequantized_reference, with_lora
     from flexrollout import LLM
     from flexrollout.kernels import gemv_4bit
 
     model, tok = make_tiny_model("llama", seed=4, layers=4)
     model = _quantize_projections(model, "nf4", True)
     if {qlora}:          # live adapters on every projection: the LoRA kernels around the 4-bit one
-        from peft import LoraConfig, get_peft_model
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets)).eval()
-        torch.manual_seed(3)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.3)
-        reference = model                              # PEFT's own forward over bitsandbytes'
+        model = reference = with_lora(model)           # PEFT's own forward over bitsandbytes'
     else:
         reference = dequantized_reference(model)
     llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=4, quant_kernels=True)
@@ -556,17 +562,8 @@ def test_qlora_decode_on_cuda_matches_peft_and_follows_updates(quant_kernels):
     """fp32 QLoRA on the GPU (adapters on all seven projections): decode from graphs with the
     LoRA kernels around bitsandbytes' ops or our 4-bit kernel gives PEFT's greedy tokens, before
     and after an in-place update of the adapters."""
-    from peft import LoraConfig, get_peft_model
-
     model, tok = _tiny("llama")
-    model = _quantize_projections(model.to("cuda"), "nf4", True)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    pm = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets)).eval()
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
+    pm = with_lora(_quantize_projections(model.to("cuda"), "nf4", True))
     llm = LLM(pm, tokenizer=tok, max_model_len=64, max_num_seqs=4, quant_kernels=quant_kernels)
 
     def peft_greedy(prompt):
