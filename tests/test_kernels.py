@@ -23,10 +23,11 @@ _CHECK = textwrap.dedent("""
     ws = [torch.randn(n, K).to(dtype) for n in widths]
     x = torch.randn({m}, K).to(dtype)
     tile = {tile}
-    out = sl.launch(x, *(ws + [None] * (3 - len(ws))), {silu}, tile)
+    out = sl.launch(x, *(ws + [None] * (3 - len(ws))), {silu}, tile, act="{act}")
     x64 = x.double()
+    act = F.silu if "{act}" == "silu" else (lambda g: F.gelu(g, approximate="tanh"))
     if {silu}:
-        ref = F.silu(x64 @ ws[0].double().T) * (x64 @ ws[1].double().T)
+        ref = act(x64 @ ws[0].double().T) * (x64 @ ws[1].double().T)
     else:
         ref = torch.cat([x64 @ w.double().T for w in ws], dim=1)
     got = out.double().sum(0)
@@ -61,7 +62,16 @@ def test_kernel_matches_float64_in_triton_interpreter(case):
         tile = f"sl.tiling({m}, {sum(widths)}, {k}, {silu}, dtype)"
     else:
         tile = f"sl.Tiling(split={tile})"
-    code = _CHECK.format(seed=m, dtype=dtype, k=k, widths=widths, m=m, silu=silu, tile=tile, tol=tol)
+    code = _CHECK.format(seed=m, dtype=dtype, k=k, widths=widths, m=m, silu=silu, tile=tile, tol=tol, act="silu")
+    run_fresh_python(code, triton_interpret=True)
+
+
+@pytest.mark.parametrize("m, dtype, tol", [(1, "float32", 1e-6), (7, "float16", 1e-2), (32, "float16", 1e-2)])
+def test_gelu_tanh_gated_epilogue_matches_float64_in_triton_interpreter(m, dtype, tol):
+    """Gemma's gate/up launch: GELU-tanh(x gate^T) * (x up^T), rounded once."""
+    tile = f"sl.tiling({m}, 72, 256, True, dtype)"
+    code = _CHECK.format(seed=m, dtype=dtype, k=256, widths=[72, 72], m=m, silu=True, tile=tile, tol=tol,
+                         act="gelu_tanh")
     run_fresh_python(code, triton_interpret=True)
 
 
@@ -75,6 +85,11 @@ def test_reference_partials_sum_to_linear():
     act = sl.small_linear(x, w0, w0 * 0.5, silu_mul=True)
     torch.testing.assert_close(act[0], torch.nn.functional.silu(x @ w0.T) * (x @ (0.5 * w0).T),
                                rtol=1e-5, atol=1e-5)
+    act = sl.small_linear(x, w0, w0 * 0.5, silu_mul=True, act="gelu_tanh")
+    torch.testing.assert_close(act[0], torch.nn.functional.gelu(x @ w0.T, approximate="tanh") * (x @ (0.5 * w0).T),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="act must be one of"):
+        sl.small_linear(x, w0, w0, silu_mul=True, act="relu")
 
 
 # Qwen3-4B's decode projections (N, K) and Qwen3's LM head, plus the tiny models' widths.
@@ -137,6 +152,9 @@ def test_kernel_on_cuda(m):
         act = sl.small_linear(x, gate, up, silu_mul=True)[0].double()
         ref = torch.nn.functional.silu(x.double() @ gate.double().T) * (x.double() @ up.double().T)
         assert ((act - ref).norm() / ref.norm()).item() < tol
+        act = sl.small_linear(x, gate, up, silu_mul=True, act="gelu_tanh")[0].double()
+        ref = torch.nn.functional.gelu(x.double() @ gate.double().T, approximate="tanh") * (x.double() @ up.double().T)
+        assert ((act - ref).norm() / ref.norm()).item() < tol
 
 
 @pytest.mark.gpu
@@ -162,3 +180,22 @@ def test_small_batch_kernels_flag_reaches_every_projection(enabled):
         assert launches >= decode_steps * (4 * layers + 1), launches
     else:
         assert launches == 0, launches
+
+
+def test_gated_act_runs_gemmas_gelu_tanh_in_the_gate_up_launch(monkeypatch):
+    """Gemma's MLP activation (the very GELU-tanh function `layers.mlp` maps
+    `gelu_pytorch_tanh` to) takes the one gate/up launch, as SiLU does; exact GELU does not."""
+    from flexrollout.layers.linear import Kernels, Linear, gated_act
+    from flexrollout.layers.mlp import activation
+
+    calls = []
+    op = sl.small_linear
+    monkeypatch.setattr(sl, "small_linear", lambda *a, **kw: calls.append(kw.get("act")) or op(*a, **kw))
+    torch.manual_seed(0)
+    x, gate, up = torch.randn(3, 256), Linear(torch.randn(64, 256)), Linear(torch.randn(64, 256))
+    for name, fused in (("gelu_pytorch_tanh", "gelu_tanh"), ("silu", "silu"), ("gelu", None)):
+        act = activation(name)
+        got = gated_act(x, gate, up, act, Kernels(small=True))
+        torch.testing.assert_close(got, act(x @ gate.weight.T) * (x @ up.weight.T), rtol=1e-5, atol=1e-4)
+        assert calls == ([fused] if fused else []), (name, calls)      # one launch, or none (CPU)
+        calls.clear()

@@ -134,7 +134,7 @@ _HOPPER_CHECK = textwrap.dedent("""
                      b1_ptr="*fp32", b2_ptr="*fp32")
         consts = dict(BLOCK_M=sl.row_block(m), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                       SILU_MUL=silu, IEEE=dtype == torch.float32, PDL=True, LORA=True,
-                      R=r_block, LA_SPLIT=lk.split_of(k, m))
+                      R=r_block, LA_SPLIT=lk.split_of(k, m), GELU=silu)
         return compiled_shared(sl._kernel(), types, consts, tile.warps, tile.stages)
 
     def shrink(m, dtype, r_block=64):

@@ -15,7 +15,8 @@ one-launch q/k/v and SiLU-mul paths, with no separate expand or add kernel.
 
 `small_linear(x, w0, w1, w2, silu_mul)` returns fp32 partial sums of shape (split, M, N) with
 N = the output widths side by side; callers add them (`.sum(0)`), which torch.compile fuses
-into whatever consumes the result. With `silu_mul` there is one partial, already in x's dtype:
+into whatever consumes the result. With `silu_mul` (SiLU, or GELU-tanh with `act`) there is one
+partial, already in x's dtype:
 it feeds the down projection's kernel directly, with no cast kernel in between. It is a torch
 custom op, so compiled code treats it as one opaque kernel. Off CUDA (tests, CPU) it computes
 the same partials with torch.
@@ -42,6 +43,10 @@ BLOCK_N = 64
 # (o_proj, 40 blocks: split 8 reads 2.84 TB/s at M = 1, split 2 2.72; benchmarks/gemv_sweep.py.)
 MIN_PROGRAMS = 256
 MAX_SPLIT = 8
+# The gated products the gate/up launch's epilogue computes, act(gate) * up: Llama / Qwen's SiLU
+# and Gemma's GELU-tanh (the layers pass these very functions).
+GELU_TANH = functools.partial(F.gelu, approximate="tanh")
+GATED_ACTS = {"silu": F.silu, "gelu_tanh": GELU_TANH}
 @dataclass(frozen=True)
 class Tiling:
     """How one launch cuts the work: weight rows per program, K per loop step, K splits."""
@@ -129,7 +134,8 @@ def _kernel():
                             stride_la_m,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             SILU_MUL: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                            LORA: tl.constexpr, R: tl.constexpr, LA_SPLIT: tl.constexpr):
+                            LORA: tl.constexpr, R: tl.constexpr, LA_SPLIT: tl.constexpr,
+                            GELU: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         # Which matrix this program's output block belongs to, where its columns start, and its
@@ -185,7 +191,11 @@ def _kernel():
                         acc += delta
                     else:
                         acc_up += delta
-        if SILU_MUL:
+        if SILU_MUL and GELU:
+            # GELU-tanh(g) = 0.5 g (1 + tanh(u)) = g * sigmoid(2 u), u = sqrt(2 / pi) (g + 0.044715 g^3)
+            u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            acc = acc / (1.0 + tl.exp(-2.0 * u)) * acc_up
+        elif SILU_MUL:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         out = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + (col0 + rows)[:, None]
         # Stored in the output's dtype: fp32 partials, or x's dtype for SiLU-mul (rounded once).
@@ -210,19 +220,22 @@ def small_linear(x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor | None = No
                  w2: torch.Tensor | None = None, silu_mul: bool = False,
                  pdl: bool = True, low_rank: torch.Tensor | None = None,
                  b0: torch.Tensor | None = None, b1: torch.Tensor | None = None,
-                 b2: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 partials (split, M, N) of x @ [w0; w1; w2]^T, or SiLU(x w0^T) * (x w1^T) as
-    (1, M, N) in x's dtype. `pdl`: allow programmatic dependent launch (where the GPU has it).
+                 b2: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
+    """fp32 partials (split, M, N) of x @ [w0; w1; w2]^T, or act(x w0^T) * (x w1^T) as
+    (1, M, N) in x's dtype (`silu_mul`; `act`: "silu" or "gelu_tanh", Gemma's gated MLP).
+    `pdl`: allow programmatic dependent launch (where the GPU has it).
 
     Live LoRA: `low_rank` is `kernels.lora.lora_shrink`'s s * A x partials for the same
     matrices, `b0`..`b2` the adapters' B (out, rank) (None: no adapter on that matrix); each
     matrix's B (s A x) is added to its sums (to gate and up before SiLU-mul)."""
     tile = _tiling_of(x, w0, w1, w2, silu_mul)
     lora = None if low_rank is None else (low_rank, b0, b1, b2)
+    if act not in GATED_ACTS:
+        raise ValueError(f"act must be one of {sorted(GATED_ACTS)}, got {act!r}")
     if not x.is_cuda:
-        return _reference(x, w0, w1, w2, silu_mul, tile.split, lora)
+        return _reference(x, w0, w1, w2, silu_mul, tile.split, lora, act)
     return launch(x, w0, w1, w2, silu_mul, tile, pdl=pdl and _pdl_ok(x.device.index or 0),
-                  lora=lora)
+                  lora=lora, act=act)
 
 
 def _tiling_of(x, w0, w1, w2, silu_mul: bool) -> Tiling:
@@ -230,10 +243,10 @@ def _tiling_of(x, w0, w1, w2, silu_mul: bool) -> Tiling:
 
 
 def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
-           lora: tuple | None = None) -> torch.Tensor:
+           lora: tuple | None = None, act: str = "silu") -> torch.Tensor:
     """Run the Triton kernel (CUDA, or Triton's interpreter on CPU tensors in tests).
     `pdl`: launch with programmatic dependent launch (Hopper on). `lora`: (low_rank, b0, b1,
-    b2) as `small_linear` takes them."""
+    b2) and `act` as `small_linear` takes them."""
     import triton
 
     m, k = x.shape
@@ -258,7 +271,7 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
         BLOCK_M=row_block(m), BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, SILU_MUL=silu_mul, IEEE=x.dtype == torch.float32, PDL=pdl,
         LORA=low_rank is not None, R=rank_block(ranks), LA_SPLIT=la.shape[0] if low_rank is not None else 1,
-        num_warps=tile.warps, num_stages=tile.stages, **extra)
+        GELU=act == "gelu_tanh", num_warps=tile.warps, num_stages=tile.stages, **extra)
     return out
 
 
@@ -275,20 +288,22 @@ def rank_block(ranks) -> int:
 
 
 @small_linear.register_fake
-def _(x, w0, w1=None, w2=None, silu_mul=False, pdl=True, low_rank=None, b0=None, b1=None, b2=None):
+def _(x, w0, w1=None, w2=None, silu_mul=False, pdl=True, low_rank=None, b0=None, b1=None, b2=None,
+      act="silu"):
     split = _tiling_of(x, w0, w1, w2, silu_mul).split
     return x.new_empty(split, x.shape[0], _out_width(w0, w1, w2, silu_mul),
                        dtype=_out_dtype(x, silu_mul))
 
 
-def _reference(x, w0, w1, w2, silu_mul: bool, split: int, lora: tuple | None = None) -> torch.Tensor:
+def _reference(x, w0, w1, w2, silu_mul: bool, split: int, lora: tuple | None = None,
+               act: str = "silu") -> torch.Tensor:
     """The kernel's contract in plain torch (fp32 sums): the K axis cut into `split` partials,
     the adapters' B (s A x) added to the first."""
     x32 = x.float()
     deltas = _low_rank_reference(lora, x.shape[0])
     if silu_mul:
         gate, up = x32 @ w0.float().T + deltas[0], x32 @ w1.float().T + deltas[1]
-        return (F.silu(gate) * up)[None].to(x.dtype)
+        return (GATED_ACTS[act](gate) * up)[None].to(x.dtype)
     weights = [w for w in (w0, w1, w2) if w is not None]
     weight = torch.cat([w.float() for w in weights])
     k_per = x.shape[1] // split

@@ -279,12 +279,13 @@ def finish_group(outputs: list[torch.Tensor], projections: list[Linear], dtype: 
 
 
 def gated_act(x: torch.Tensor, gate: Linear, up: Linear, act, kernels: Kernels) -> torch.Tensor:
-    """act(gate(x)) * up(x). Small batches of SiLU projections run as one GEMV launch whose
-    epilogue applies SiLU(gate) * up (live adapters folded in before it)."""
-    if act is F.silu and gate.bias is None and up.bias is None and _on_gemv(x, [gate, up], kernels):
+    """act(gate(x)) * up(x). Small batches of SiLU or GELU-tanh projections run as one GEMV
+    launch whose epilogue applies act(gate) * up (live adapters folded in before it)."""
+    epilogue = "silu" if act is F.silu else ("gelu_tanh" if act is gemv.GELU_TANH else None)
+    if epilogue and gate.bias is None and up.bias is None and _on_gemv(x, [gate, up], kernels):
         low_rank, lora_b = _shrink(x, [gate, up], kernels)
         return gemv.small_linear(x, gate.weight, up.weight, silu_mul=True, pdl=kernels.pdl,
-                                 low_rank=low_rank, b0=lora_b[0], b1=lora_b[1])[0]
+                                 low_rank=low_rank, b0=lora_b[0], b1=lora_b[1], act=epilogue)[0]
     if _adapter_of(gate) is not None or _adapter_of(up) is not None:
         # Other activations (or biases) with adapters: still one shrink for both, and one
         # GEMV launch for both in small batches.

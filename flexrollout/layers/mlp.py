@@ -1,18 +1,17 @@
 """Feed-forward blocks: the dense gated MLP, and the output projection + residual that precede it."""
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
+from ..kernels.small_linear import GELU_TANH
 from .linear import Kernels, Linear, gated_act, linear
 
 # HF `hidden_act` names -> the activation of a gated MLP.
 ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
-    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "gelu_pytorch_tanh": GELU_TANH,
     "gelu": F.gelu,
 }
 
