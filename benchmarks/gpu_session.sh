@@ -42,7 +42,8 @@
 #   lora_next : the open LoRA questions of 2026-12-05: the GPU test of lora_request_kernels (the
 #               adapter table folded into the LoRA kernels), the expand path's partials at 64 rows
 #               (lora_sweep.py), LoRARequest mixes unfused vs folded (lora_modes.py, r=32), and where
-#               a batch-8 step mixing 4 LoRARequest adapters goes (profile)
+#               a batch-8 step mixing 4 LoRARequest adapters goes (profile); the GEMV's GPU test
+#               (its GELU-tanh gate/up epilogue is new)
 #   nf4_next : (carry .whl) Qwen3-4B NF4 decode 1 / 8 / 64 against HF now that 4-bit steps replay
 #              graphs, where NF4's batch-1 step goes (profile), and the rewritten 4-bit GEMV: its
 #              GPU tests, then against bitsandbytes' ops (gemv_4bit_sweep.py) and in the engine
@@ -238,7 +239,7 @@ lora_profile)
   done > "$out/lora_profile.txt"
   names="gpu lora_sweep lora_profile" ;;
 lora_next)
-  gputest 200 tests/test_lora_fused_gpu.py -k plain_model | tail -4 > "$out/tests.txt"
+  gputest 200 tests/test_lora_fused_gpu.py tests/test_kernels.py -k "plain_model or kernel_on_cuda" | tail -4 > "$out/tests.txt"
   timeout 100 python3 benchmarks/lora_sweep.py --rows 1,64 --splits 8,32 2>&1 | filter > "$out/lora_sweep.txt"
   timeout 200 python3 benchmarks/lora_modes.py --preset qwen3-4b --ranks 32 --batch-sizes 8,64 2>&1 \
     | grep '^{"rank"' > "$out/lora_modes.txt"
