@@ -289,9 +289,11 @@ _HOPPER_CHECK = textwrap.dedent("""
                                                        ("fp32", "fp32", True, 64, 16), ("bf16", "bf16", True, 64, 64),
                                                        ("bf16", "bf16", True, 256, 64), ("fp32", "fp32", False, 256, 64),
                                                        ("fp32", "fp32", True, 128, 64)):
-        types = dict(x_ptr="*" + x_type, packed_ptr="*u8", absmax_ptr="*u8" if nested else "*fp32",
-                     code_ptr="*fp32", absmax2_ptr="*fp32", code2_ptr="*fp32", offset_ptr="*fp32",
-                     out_ptr="*fp32")
+        types = dict(x_ptr="*" + x_type, out_ptr="*fp32")
+        for i in range(3):                  # q / k / v's tensors
+            types.update({f"packed_{i}": "*u8", f"absmax_{i}": "*u8" if nested else "*fp32",
+                          f"code_{i}": "*fp32", f"absmax2_{i}": "*fp32", f"code2_{i}": "*fp32",
+                          f"offset_{i}": "*fp32"})
         consts = dict(BLOCKSIZE=blocksize, BLOCKSIZE2=256, NESTED=nested,
                       W_DTYPE=tl.bfloat16 if w_type == "bf16" else tl.float32,
                       X_DTYPE={"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[x_type],
@@ -357,10 +359,64 @@ _ROUTE_CHECK = textwrap.dedent("""
     print(launches)
 """)
 
+# Projections of one input share a launch: q / k / v (ragged widths: 96, 40, 40 rows of 64-row
+# blocks) as fp32 partials for the q/k/v epilogue or `finish_group`, gate / up for the gated
+# activation; a group quantised differently (another block size) is refused by name, and its
+# projections run one launch each.
+_GROUP_CHECK = textwrap.dedent("""
+    import functools
+    import torch, torch.nn.functional as F, bitsandbytes as bnb
+    from flexrollout.kernels import gemv_4bit
+    from flexrollout.layers.linear import Kernels, Linear, finish_group, gated_act, project_group
+
+    launches = []
+    launch = gemv_4bit._launch
+    gemv_4bit._launch = lambda *args, **kw: launches.append(len(args[1])) or launch(*args, **kw)
+    torch.manual_seed(1)
+    dtype = torch.{dtype}
+
+    def projection(n, k, blocksize=64):
+        packed, state = bnb.functional.quantize_4bit(torch.randn(n, k).to(dtype), blocksize=blocksize,
+                                                     quant_type="nf4", compress_statistics=True)
+        weight = bnb.functional.dequantize_4bit(packed, state).double()
+        return Linear(packed, torch.randn(n).to(dtype) if n == 40 else None, quant=gemv_4bit.Packed4bit.of(state)), weight
+
+    def close(got, ref):
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert err < {tol}, err
+
+    kernels = Kernels(quant_small=True)
+    x = torch.randn(5, 256).to(dtype)
+    qkv = [projection(n, 256) for n in (96, 40, 40)]
+    outputs = project_group(x, [p for p, _ in qkv], kernels)
+    assert launches == [3] and all(o.dim() == 3 for o in outputs), launches
+    for out, (p, weight) in zip(finish_group(outputs, [p for p, _ in qkv], dtype), qkv):
+        close(out, x.double() @ weight.T + (0 if p.bias is None else p.bias.double()))
+    (gate, gate_w), (up, up_w) = projection(72, 256), projection(72, 256)
+    act = functools.partial(F.gelu, approximate="tanh")
+    close(gated_act(x, gate, up, act, kernels), act(x.double() @ gate_w.T) * (x.double() @ up_w.T))
+    assert launches == [3, 2], launches
+    mixed = [qkv[0][0], projection(40, 256, blocksize=128)[0]]
+    assert not gemv_4bit.groupable([p.quant for p in mixed])
+    try:
+        gemv_4bit.launch_group(x, [(p.weight, p.quant) for p in mixed])
+        raise AssertionError("a mixed group should be refused")
+    except ValueError as error:
+        assert "quantised alike" in str(error)
+    project_group(x, mixed, kernels)
+    assert launches == [3, 2, 1, 1], launches
+""")
+
 
 def test_engine_projections_route_small_batches_to_the_4bit_kernel():
     pytest.importorskip("triton")
     assert run_fresh_python(_ROUTE_CHECK, triton_interpret=True).strip() == "[1, 20, 64]"
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-6), ("float16", 1e-2)])
+def test_projections_of_one_input_share_a_4bit_launch(dtype, tol):
+    pytest.importorskip("triton")
+    run_fresh_python(_GROUP_CHECK.format(dtype=dtype, tol=tol), triton_interpret=True)
 
 
 # With the kernel, a 4-bit model's decode steps compile their layers (bitsandbytes' ops do not
@@ -445,6 +501,13 @@ def test_4bit_kernel_on_cuda_matches_bitsandbytes(quant_type, nested, m):
         ref = x.double() @ bnb.functional.dequantize_4bit(packed, state).double().T
         got = gemv_4bit.launch(x, packed, state).double().sum(0)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    # q / k / v in one launch
+    weights = [bnb.functional.quantize_4bit(torch.randn(n, 2560, device="cuda", dtype=torch.bfloat16),
+                                            quant_type=quant_type, compress_statistics=nested) for n in (4096, 1024, 1024)]
+    x = torch.randn(m, 2560, device="cuda", dtype=torch.bfloat16)
+    got = gemv_4bit.launch_group(x, [(p, gemv_4bit.Packed4bit.of(s)) for p, s in weights]).double().sum(0)
+    ref = torch.cat([x.double() @ bnb.functional.dequantize_4bit(p, s).double().T for p, s in weights], dim=1)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
 
 
 @pytest.mark.gpu

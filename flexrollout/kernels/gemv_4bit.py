@@ -138,16 +138,33 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gemv_4bit_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr,
-                         offset_ptr, out_ptr, M, N, K, K_PER,
+    def gemv_4bit_kernel(x_ptr, out_ptr,
+                         packed_0, absmax_0, code_0, absmax2_0, code2_0, offset_0,
+                         packed_1, absmax_1, code_1, absmax2_1, code2_1, offset_1,
+                         packed_2, absmax_2, code_2, absmax2_2, code2_2, offset_2,
+                         M, N0, N1, N2, BLOCKS0, BLOCKS1, K, K_PER,
                          stride_xm, stride_split, stride_om,
                          BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr,
                          NESTED: tl.constexpr, W_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                          EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
+        # Which matrix this program's output block belongs to (q, k or v: one launch for all
+        # three), where its rows start in that matrix and its columns in the output.
+        if pid_n < BLOCKS0:
+            packed_ptr, absmax_ptr, code_ptr = packed_0, absmax_0, code_0
+            absmax2_ptr, code2_ptr, offset_ptr = absmax2_0, code2_0, offset_0
+            n_rows, row0, col0 = N0, pid_n * BLOCK_N, pid_n * 0
+        elif pid_n < BLOCKS0 + BLOCKS1:
+            packed_ptr, absmax_ptr, code_ptr = packed_1, absmax_1, code_1
+            absmax2_ptr, code2_ptr, offset_ptr = absmax2_1, code2_1, offset_1
+            n_rows, row0, col0 = N1, (pid_n - BLOCKS0) * BLOCK_N, N0
+        else:
+            packed_ptr, absmax_ptr, code_ptr = packed_2, absmax_2, code_2
+            absmax2_ptr, code2_ptr, offset_ptr = absmax2_2, code2_2, offset_2
+            n_rows, row0, col0 = N2, (pid_n - BLOCKS0 - BLOCKS1) * BLOCK_N, N0 + N1
+        rows = row0 + tl.arange(0, BLOCK_N)
+        row_ok = rows < n_rows
         rows64 = rows.to(tl.int64)
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
@@ -191,7 +208,7 @@ def _kernel():
                 x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
             acc += tl.dot(w_even, tl.trans(x_even), input_precision=precision)
             acc += tl.dot(w_odd, tl.trans(x_odd), input_precision=precision)
-        out = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + rows[:, None]
+        out = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + (col0 + rows)[:, None]
         tl.store(out, acc, mask=m_ok[None, :] & row_ok[:, None])
 
     return gemv_4bit_kernel
@@ -201,26 +218,55 @@ def launch(x: torch.Tensor, packed: torch.Tensor, quant_state, split: int | None
     """fp32 partials (split, M, N) of x @ dequant(W)^T (CUDA, or Triton's interpreter on CPU
     tensors in tests), for a bitsandbytes QuantState or a Packed4bit. Reads `packed` and the
     quant state's tensors where they are."""
-    q = _packed(quant_state)
+    return launch_group(x, [(packed, _packed(quant_state))], split)
+
+
+def launch_group(x: torch.Tensor, weights: list[tuple[torch.Tensor, Packed4bit]],
+                 split: int | None = None) -> torch.Tensor:
+    """fp32 partials (split, M, N0 + N1 + N2) of up to three 4-bit weights of one input, their
+    outputs side by side, from one launch."""
     k = x.shape[1]
-    if q.shape[1] != k or not takes_weight(q):
-        raise ValueError(f"4-bit weight of shape {q.shape} and block size {q.blocksize} "
-                         f"for input width {k}: the kernel needs whole blocks of {BLOCKSIZES} per row")
-    return _launch(x, packed, q.absmax, q.code, q.absmax2, q.code2, q.offset, q.shape[0], q.blocksize,
-                   q.blocksize2, q.nested, q.dtype, split)
+    for _, q in weights:
+        if q.shape[1] != k or not takes_weight(q):
+            raise ValueError(f"4-bit weight of shape {q.shape} and block size {q.blocksize} for input "
+                             f"width {k}: the kernel needs whole blocks of {BLOCKSIZES} per row")
+    if not groupable([q for _, q in weights]):
+        raise ValueError("one launch takes at most three 4-bit weights quantised alike "
+                         "(block sizes, nesting, dtype)")
+    q0 = weights[0][1]
+    return _launch(x, *_op_args(weights), q0.blocksize, q0.blocksize2, q0.nested, q0.dtype, split)
 
 
-def _launch(x, packed, absmax, code, absmax2, code2, offset, n: int, blocksize: int, blocksize2: int,
-            nested: bool, w_dtype: torch.dtype, split: int | None = None) -> torch.Tensor:
+def groupable(states: list[Packed4bit]) -> bool:
+    """These weights can share a launch: at most three, quantised alike."""
+    first = states[0]
+    return len(states) <= 3 and all(
+        (q.blocksize, q.blocksize2, q.nested, q.dtype) == (first.blocksize, first.blocksize2, first.nested, first.dtype)
+        for q in states)
+
+
+def _op_args(weights: list[tuple[torch.Tensor, Packed4bit]]) -> tuple:
+    """The op's per-matrix tensor lists and output widths."""
+    return ([p for p, _ in weights], [q.absmax for _, q in weights], [q.code for _, q in weights],
+            [q.absmax2 for _, q in weights], [q.code2 for _, q in weights],
+            [q.offset for _, q in weights], [q.shape[0] for _, q in weights])
+
+
+def _launch(x, packed, absmax, code, absmax2, code2, offset, ns: list[int], blocksize: int,
+            blocksize2: int, nested: bool, w_dtype: torch.dtype, split: int | None = None) -> torch.Tensor:
     import triton
     import triton.language as tl
 
     m, k = x.shape
-    split, k_per = k_slices(n, k, blocksize, split)
-    out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    _kernel()[(triton.cdiv(n, BLOCK_N), split)](
-        x, packed, absmax, code, absmax2, code2, offset,
-        out, m, n, k, k_per, x.stride(0), out.stride(0), out.stride(1),
+    split, k_per = k_slices(sum(ns), k, blocksize, split)
+    out = torch.empty(split, m, sum(ns), device=x.device, dtype=torch.float32)
+    pad = 3 - len(ns)              # absent matrices: never read (no program maps to them)
+    ns = list(ns) + [0] * pad
+    per_matrix = [t + t[:1] * pad for t in (packed, absmax, code, absmax2, code2, offset)]
+    blocks = [triton.cdiv(n, BLOCK_N) for n in ns]
+    _kernel()[(sum(blocks), split)](
+        x, out, *[t[i] for i in range(3) for t in per_matrix],
+        m, *ns, blocks[0], blocks[1], k, k_per, x.stride(0), out.stride(0), out.stride(1),
         BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2,
         NESTED=nested, W_DTYPE=getattr(tl, _TL_DTYPES[w_dtype]),
         X_DTYPE=getattr(tl, _TL_DTYPES[x.dtype]), EMULATE=not x.is_cuda,
@@ -229,26 +275,32 @@ def _launch(x, packed, absmax, code, absmax2, code2, offset, n: int, blocksize: 
 
 
 @torch.library.custom_op("flexrollout::gemv_4bit", mutates_args=())
-def gemv_4bit(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
-              absmax2: torch.Tensor, code2: torch.Tensor, offset: torch.Tensor, n: int,
-              blocksize: int, blocksize2: int, nested: bool, w_dtype: torch.dtype) -> torch.Tensor:
+def gemv_4bit(x: torch.Tensor, packed: list[torch.Tensor], absmax: list[torch.Tensor],
+              code: list[torch.Tensor], absmax2: list[torch.Tensor], code2: list[torch.Tensor],
+              offset: list[torch.Tensor], ns: list[int], blocksize: int, blocksize2: int,
+              nested: bool, w_dtype: torch.dtype) -> torch.Tensor:
     """The kernel as an op torch.compile traces (a graph input per tensor), like small_linear:
-    fp32 partials (split, M, N)."""
-    return _launch(x, packed, absmax, code, absmax2, code2, offset, n, blocksize, blocksize2,
+    fp32 partials (split, M, sum(ns)) of up to three weights quantised alike."""
+    return _launch(x, packed, absmax, code, absmax2, code2, offset, ns, blocksize, blocksize2,
                    nested, w_dtype)
 
 
 @gemv_4bit.register_fake
-def _(x, packed, absmax, code, absmax2, code2, offset, n, blocksize, blocksize2, nested, w_dtype):
-    return x.new_empty(k_slices(n, x.shape[1], blocksize)[0], x.shape[0], n, dtype=torch.float32)
+def _(x, packed, absmax, code, absmax2, code2, offset, ns, blocksize, blocksize2, nested, w_dtype):
+    return x.new_empty(k_slices(sum(ns), x.shape[1], blocksize)[0], x.shape[0], sum(ns),
+                       dtype=torch.float32)
+
+
+def project_partials(x: torch.Tensor, weights: list[tuple[torch.Tensor, Packed4bit]]) -> list[torch.Tensor]:
+    """Each weight's fp32 partials (split, M, N_i), from one launch for up to three weights of one
+    input quantised alike (`groupable`); traceable by torch.compile."""
+    q0 = weights[0][1]
+    parts = gemv_4bit(x, *_op_args(weights), q0.blocksize, q0.blocksize2, q0.nested, q0.dtype)
+    return list(parts.split([q.shape[0] for _, q in weights], dim=-1))
 
 
 def project(x: torch.Tensor, packed: torch.Tensor, quant_state,
             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ dequant(W)^T + b in x's dtype, for a batch the kernel takes; traceable by
-    torch.compile for a Packed4bit."""
-    q = _packed(quant_state)
-    parts = gemv_4bit(x, packed, q.absmax, q.code, q.absmax2, q.code2, q.offset, q.shape[0],
-                      q.blocksize, q.blocksize2, q.nested, q.dtype)
-    out = parts.sum(0).to(x.dtype)
+    """x @ dequant(W)^T + b in x's dtype, for a batch the kernel takes."""
+    out = project_partials(x, [(packed, _packed(quant_state))])[0].sum(0).to(x.dtype)
     return out if bias is None else out + bias

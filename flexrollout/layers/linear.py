@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from ..kernels import gemv_4bit
 from ..kernels import lora as lora_kernels
 from ..kernels import small_linear as gemv
 from ..lora.live import active_adapters
@@ -185,6 +186,16 @@ def _on_gemv(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bo
     return rows_fit and (not x.is_cuda or all(gemv.weight_supported(p.weight) for p in projections))
 
 
+def _on_gemv_4bit(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bool:
+    """These 4-bit projections of `x` run our 4-bit GEMV as one launch (`quant_small`): no
+    adapter terms, batch and weights the kernel takes, quantised alike."""
+    if not kernels.quant_small or any(p.quant is None or len(p.lora) + len(p.row_lora) > 0
+                                      for p in projections):
+        return False
+    states = [p.quant for p in projections]
+    return all(gemv_4bit.takes(x, q) for q in states) and gemv_4bit.groupable(states)
+
+
 def _on_expand(projections: list[Linear], kernels: Kernels) -> bool:
     """These projections run W x (cuBLAS, or the 4-bit projection) + the expand kernel: a batch
     past the GEMV whose adapters the kernels take, or 4-bit bases with adapters (QLoRA) at any
@@ -249,12 +260,15 @@ def _column_mask(masks: list, lora_a: list, rows: int, device: torch.device) -> 
 
 def project_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:
     """Several projections of one input (q/k/v). Small batches run as one GEMV launch (live
-    adapters folded in: one more launch computes their s * A x) and come back as fp32 partial
-    sums (split, T, width) each, for a consumer that sums them (the q/k/v epilogue, or
-    `finish_group`); otherwise each is a full (T, out) result with its bias (larger batches with
-    live adapters: one shrink launch for the group, then cuBLAS + expand per projection)."""
+    adapters folded in: one more launch computes their s * A x; 4-bit weights: our 4-bit GEMV
+    with `quant_small`) and come back as fp32 partial sums (split, T, width) each, for a
+    consumer that sums them (the q/k/v epilogue, or `finish_group`); otherwise each is a full
+    (T, out) result with its bias (larger batches with live adapters: one shrink launch for
+    the group, then cuBLAS + expand per projection)."""
     if len(projections) > 3:
         return [linear(x, p, kernels) for p in projections]
+    if _on_gemv_4bit(x, projections, kernels):
+        return gemv_4bit.project_partials(x, [(p.weight, p.quant) for p in projections])
     if _on_gemv(x, projections, kernels):
         widths = [p.weight.shape[0] for p in projections]
         weights = [p.weight for p in projections] + [None] * (3 - len(projections))
@@ -286,9 +300,10 @@ def gated_act(x: torch.Tensor, gate: Linear, up: Linear, act, kernels: Kernels) 
         low_rank, lora_b = _shrink(x, [gate, up], kernels)
         return gemv.small_linear(x, gate.weight, up.weight, silu_mul=True, pdl=kernels.pdl,
                                  low_rank=low_rank, b0=lora_b[0], b1=lora_b[1], act=epilogue)[0]
-    if _adapter_of(gate) is not None or _adapter_of(up) is not None:
+    if (_adapter_of(gate) is not None or _adapter_of(up) is not None
+            or _on_gemv_4bit(x, [gate, up], kernels)):
         # Other activations (or biases) with adapters: still one shrink for both, and one
-        # GEMV launch for both in small batches.
+        # GEMV launch for both in small batches; 4-bit gate and up: one 4-bit GEMV launch.
         projections = [gate, up]
         gate_out, up_out = finish_group(project_group(x, projections, kernels), projections, x.dtype)
         return act(gate_out) * up_out
