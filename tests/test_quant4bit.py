@@ -289,7 +289,8 @@ _HOPPER_CHECK = textwrap.dedent("""
                                                        ("fp32", "fp32", True, 64, 16), ("bf16", "bf16", True, 64, 64),
                                                        ("bf16", "bf16", True, 256, 64), ("fp32", "fp32", False, 256, 64),
                                                        ("fp32", "fp32", True, 128, 64)):
-        types = dict(x_ptr="*" + x_type, out_ptr="*fp32")
+        types = dict(x_ptr="*" + x_type, out_ptr="*fp32", la_ptr="*fp32", b_0="*fp32", b_1="*fp32",
+                     b_2="*fp32")
         for i in range(3):                  # q / k / v's tensors
             types.update({f"packed_{i}": "*u8", f"absmax_{i}": "*u8" if nested else "*fp32",
                           f"code_{i}": "*fp32", f"absmax2_{i}": "*fp32", f"code2_{i}": "*fp32",
@@ -297,7 +298,8 @@ _HOPPER_CHECK = textwrap.dedent("""
         consts = dict(BLOCKSIZE=blocksize, BLOCKSIZE2=256, NESTED=nested,
                       W_DTYPE=tl.bfloat16 if w_type == "bf16" else tl.float32,
                       X_DTYPE={"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[x_type],
-                      EMULATE=False, BLOCK_M=block_m, BLOCK_N=gemv_4bit.BLOCK_N)
+                      EMULATE=False, BLOCK_M=block_m, BLOCK_N=gemv_4bit.BLOCK_N,
+                      LORA=block_m == 64, R=128, LA_SPLIT=4)     # QLoRA folded in at 64-row tiles
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
         src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -461,7 +463,9 @@ _COMPILE_CHECK = textwrap.dedent("""
         outs = llm.generate([{{"prompt_token_ids": p}} for p in PROMPTS], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
     assert "flexrollout.gemv_4bit.default" in traced, traced
-    assert ("flexrollout.lora_expand.default" in traced) == {qlora}, traced
+    # QLoRA: the shrink, then the adapters folded into the 4-bit launch (no expand)
+    assert ("flexrollout.lora_shrink.default" in traced) == {qlora}, traced
+    assert "flexrollout.lora_expand.default" not in traced, traced
     # the packed prefill (20 rows, eager) and the decode steps (3 rows, compiled)
     assert set(launches) == {{sum(map(len, PROMPTS)), len(PROMPTS)}}, launches
     counts = {{}}
@@ -475,7 +479,7 @@ _COMPILE_CHECK = textwrap.dedent("""
 @pytest.mark.parametrize("qlora", [False, True], ids=["nf4", "qlora"])
 def test_4bit_decode_compiles_its_layers_with_the_kernel(qlora):
     """Decode's layer functions trace the 4-bit kernel (fullgraph: a graph break would raise),
-    and with live adapters the LoRA kernels around it; they give HF's tokens on the dequantised
+    and with live adapters the shrink whose result the kernel folds in; they give HF's tokens on the dequantised
     reference (PEFT's with adapters), and compile once per function and batch specialisation,
     not once per layer: the three fused layer boundaries of 4 layers share their compile."""
     pytest.importorskip("triton")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .small_linear import row_block
+from .small_linear import rank_block, row_block
 
 # Largest row count this kernel serves: one row tile of 16, 32 or 64 rows (`row_block`), so a
 # program dequantises its weight tile once for all of a decode batch's rows. Past 64 rows
@@ -144,9 +144,11 @@ def _kernel():
                          packed_2, absmax_2, code_2, absmax2_2, code2_2, offset_2,
                          M, N0, N1, N2, BLOCKS0, BLOCKS1, K, K_PER,
                          stride_xm, stride_split, stride_om,
+                         la_ptr, b_0, b_1, b_2, R0, R1, R2, stride_la_split, stride_la_m,
                          BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr,
                          NESTED: tl.constexpr, W_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
-                         EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         LORA: tl.constexpr, R: tl.constexpr, LA_SPLIT: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         # Which matrix this program's output block belongs to (q, k or v: one launch for all
@@ -155,14 +157,17 @@ def _kernel():
             packed_ptr, absmax_ptr, code_ptr = packed_0, absmax_0, code_0
             absmax2_ptr, code2_ptr, offset_ptr = absmax2_0, code2_0, offset_0
             n_rows, row0, col0 = N0, pid_n * BLOCK_N, pid_n * 0
+            b_ptr, rank, slot = b_0, R0, 0
         elif pid_n < BLOCKS0 + BLOCKS1:
             packed_ptr, absmax_ptr, code_ptr = packed_1, absmax_1, code_1
             absmax2_ptr, code2_ptr, offset_ptr = absmax2_1, code2_1, offset_1
             n_rows, row0, col0 = N1, (pid_n - BLOCKS0) * BLOCK_N, N0
+            b_ptr, rank, slot = b_1, R1, 1
         else:
             packed_ptr, absmax_ptr, code_ptr = packed_2, absmax_2, code_2
             absmax2_ptr, code2_ptr, offset_ptr = absmax2_2, code2_2, offset_2
             n_rows, row0, col0 = N2, (pid_n - BLOCKS0 - BLOCKS1) * BLOCK_N, N0 + N1
+            b_ptr, rank, slot = b_2, R2, 2
         rows = row0 + tl.arange(0, BLOCK_N)
         row_ok = rows < n_rows
         rows64 = rows.to(tl.int64)
@@ -208,6 +213,20 @@ def _kernel():
                 x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
             acc += tl.dot(w_even, tl.trans(x_even), input_precision=precision)
             acc += tl.dot(w_odd, tl.trans(x_odd), input_precision=precision)
+        if LORA:  # noqa: SIM102 (compile-time branch around a runtime one)
+            # QLoRA: the adapter's B (s A x) joins the fp32 sums once, in the first K slice, as
+            # in `small_linear` (`kernels.lora`'s shrink made s A x; rank 0: no adapter).
+            if pid_k == 0:
+                offs_r = tl.arange(0, R)
+                la_mask = m_ok[:, None] & (offs_r[None, :] < rank)
+                la = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+                for s in tl.static_range(LA_SPLIT):
+                    la += tl.load(la_ptr + s * stride_la_split + offs_m[:, None] * stride_la_m
+                                  + slot * R + offs_r[None, :], mask=la_mask, other=0.0)
+                b = tl.load(b_ptr + rows64[:, None] * rank + offs_r[None, :],
+                            mask=row_ok[:, None] & (offs_r[None, :] < rank), other=0.0)
+                lora_precision: tl.constexpr = "ieee" if EMULATE or X_DTYPE == tl.float32 else "tf32"
+                acc += tl.dot(b.to(tl.float32), tl.trans(la), input_precision=lora_precision)
         out = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + (col0 + rows)[:, None]
         tl.store(out, acc, mask=m_ok[None, :] & row_ok[:, None])
 
@@ -222,9 +241,10 @@ def launch(x: torch.Tensor, packed: torch.Tensor, quant_state, split: int | None
 
 
 def launch_group(x: torch.Tensor, weights: list[tuple[torch.Tensor, Packed4bit]],
-                 split: int | None = None) -> torch.Tensor:
+                 split: int | None = None, lora: tuple | None = None) -> torch.Tensor:
     """fp32 partials (split, M, N0 + N1 + N2) of up to three 4-bit weights of one input, their
-    outputs side by side, from one launch."""
+    outputs side by side, from one launch. `lora`: (low_rank, b0, b1, b2) as `small_linear`
+    takes them, each weight's B (s A x) added to its sums."""
     k = x.shape[1]
     for _, q in weights:
         if q.shape[1] != k or not takes_weight(q):
@@ -234,7 +254,8 @@ def launch_group(x: torch.Tensor, weights: list[tuple[torch.Tensor, Packed4bit]]
         raise ValueError("one launch takes at most three 4-bit weights quantised alike "
                          "(block sizes, nesting, dtype)")
     q0 = weights[0][1]
-    return _launch(x, *_op_args(weights), q0.blocksize, q0.blocksize2, q0.nested, q0.dtype, split)
+    return _launch(x, *_op_args(weights), q0.blocksize, q0.blocksize2, q0.nested, q0.dtype, split,
+                   *(lora or (None,) * 4))
 
 
 def groupable(states: list[Packed4bit]) -> bool:
@@ -253,7 +274,8 @@ def _op_args(weights: list[tuple[torch.Tensor, Packed4bit]]) -> tuple:
 
 
 def _launch(x, packed, absmax, code, absmax2, code2, offset, ns: list[int], blocksize: int,
-            blocksize2: int, nested: bool, w_dtype: torch.dtype, split: int | None = None) -> torch.Tensor:
+            blocksize2: int, nested: bool, w_dtype: torch.dtype, split: int | None = None,
+            low_rank=None, b0=None, b1=None, b2=None) -> torch.Tensor:
     import triton
     import triton.language as tl
 
@@ -264,13 +286,20 @@ def _launch(x, packed, absmax, code, absmax2, code2, offset, ns: list[int], bloc
     ns = list(ns) + [0] * pad
     per_matrix = [t + t[:1] * pad for t in (packed, absmax, code, absmax2, code2, offset)]
     blocks = [triton.cdiv(n, BLOCK_N) for n in ns]
+    bs = (b0, b1, b2)
+    ranks = [0 if b is None else b.shape[1] for b in bs]
+    # Without LoRA (or without an adapter on a matrix) the pointers are never read.
+    la = out if low_rank is None else low_rank
+    b_ptrs = [next((b for b in bs if b is not None), out) if b is None else b for b in bs]
     _kernel()[(sum(blocks), split)](
         x, out, *[t[i] for i in range(3) for t in per_matrix],
         m, *ns, blocks[0], blocks[1], k, k_per, x.stride(0), out.stride(0), out.stride(1),
+        la, *b_ptrs, *ranks, la.stride(0), la.stride(1),
         BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2,
         NESTED=nested, W_DTYPE=getattr(tl, _TL_DTYPES[w_dtype]),
         X_DTYPE=getattr(tl, _TL_DTYPES[x.dtype]), EMULATE=not x.is_cuda,
-        BLOCK_M=row_block(m), BLOCK_N=BLOCK_N, num_stages=pipeline_stages(blocksize))
+        BLOCK_M=row_block(m), BLOCK_N=BLOCK_N, LORA=low_rank is not None, R=rank_block(ranks),
+        LA_SPLIT=la.shape[0] if low_rank is not None else 1, num_stages=pipeline_stages(blocksize))
     return out
 
 
@@ -278,24 +307,32 @@ def _launch(x, packed, absmax, code, absmax2, code2, offset, ns: list[int], bloc
 def gemv_4bit(x: torch.Tensor, packed: list[torch.Tensor], absmax: list[torch.Tensor],
               code: list[torch.Tensor], absmax2: list[torch.Tensor], code2: list[torch.Tensor],
               offset: list[torch.Tensor], ns: list[int], blocksize: int, blocksize2: int,
-              nested: bool, w_dtype: torch.dtype) -> torch.Tensor:
+              nested: bool, w_dtype: torch.dtype, low_rank: torch.Tensor | None = None,
+              b0: torch.Tensor | None = None, b1: torch.Tensor | None = None,
+              b2: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel as an op torch.compile traces (a graph input per tensor), like small_linear:
-    fp32 partials (split, M, sum(ns)) of up to three weights quantised alike."""
+    fp32 partials (split, M, sum(ns)) of up to three weights quantised alike, with their
+    adapters' B (s A x) when `low_rank` is given."""
     return _launch(x, packed, absmax, code, absmax2, code2, offset, ns, blocksize, blocksize2,
-                   nested, w_dtype)
+                   nested, w_dtype, None, low_rank, b0, b1, b2)
 
 
 @gemv_4bit.register_fake
-def _(x, packed, absmax, code, absmax2, code2, offset, ns, blocksize, blocksize2, nested, w_dtype):
+def _(x, packed, absmax, code, absmax2, code2, offset, ns, blocksize, blocksize2, nested, w_dtype,
+      low_rank=None, b0=None, b1=None, b2=None):
     return x.new_empty(k_slices(sum(ns), x.shape[1], blocksize)[0], x.shape[0], sum(ns),
                        dtype=torch.float32)
 
 
-def project_partials(x: torch.Tensor, weights: list[tuple[torch.Tensor, Packed4bit]]) -> list[torch.Tensor]:
+def project_partials(x: torch.Tensor, weights: list[tuple[torch.Tensor, Packed4bit]],
+                     low_rank: torch.Tensor | None = None, lora_b: list | None = None) -> list[torch.Tensor]:
     """Each weight's fp32 partials (split, M, N_i), from one launch for up to three weights of one
-    input quantised alike (`groupable`); traceable by torch.compile."""
+    input quantised alike (`groupable`); with `low_rank` (`kernels.lora`'s shrink) and each
+    weight's B (`lora_b`, None: no adapter), the adapters folded in. Traceable by torch.compile."""
     q0 = weights[0][1]
-    parts = gemv_4bit(x, *_op_args(weights), q0.blocksize, q0.blocksize2, q0.nested, q0.dtype)
+    bs = list(lora_b or []) + [None] * (3 - len(lora_b or []))
+    parts = gemv_4bit(x, *_op_args(weights), q0.blocksize, q0.blocksize2, q0.nested, q0.dtype,
+                      low_rank, *bs[:3])
     return list(parts.split([q.shape[0] for _, q in weights], dim=-1))
 
 

@@ -98,8 +98,9 @@ def read_linear(module: torch.nn.Module, merged=None) -> Linear:
 
 def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Tensor:
     """x @ W^T + b + sum(scaling * B (A x)) for (T, in) rows."""
-    if _adapter_of(p) is not None and (_on_gemv(x, [p], kernels) or _on_expand([p], kernels)):
-        # The GEMV with the adapter folded in, or cuBLAS + expand: a group of one.
+    if _adapter_of(p) is not None and (_on_gemv(x, [p], kernels) or _on_gemv_4bit(x, [p], kernels)
+                                       or _on_expand([p], kernels)):
+        # The GEMV (16- or 4-bit) with the adapter folded in, or cuBLAS + expand: a group of one.
         return finish_group(project_group(x, [p], kernels), [p], x.dtype)[0]
     if p.quant is not None:
         out = project_4bit(x, p.weight, p.quant, p.bias, kernels.quant_small)
@@ -187,10 +188,14 @@ def _on_gemv(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bo
 
 
 def _on_gemv_4bit(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bool:
-    """These 4-bit projections of `x` run our 4-bit GEMV as one launch (`quant_small`): no
-    adapter terms, batch and weights the kernel takes, quantised alike."""
-    if not kernels.quant_small or any(p.quant is None or len(p.lora) + len(p.row_lora) > 0
-                                      for p in projections):
+    """These 4-bit projections of `x` run our 4-bit GEMV as one launch (`quant_small`): batch
+    and weights the kernel takes, quantised alike, and adapter terms (QLoRA) only where the
+    LoRA kernels run and take them, to be folded in."""
+    if not kernels.quant_small or any(p.quant is None for p in projections):
+        return False
+    lora_kernels = kernels.lora_small or kernels.lora_expand
+    if not all(len(p.lora) + len(p.row_lora) == 0 or (lora_kernels and _term_fits(p, kernels))
+               for p in projections):
         return False
     states = [p.quant for p in projections]
     return all(gemv_4bit.takes(x, q) for q in states) and gemv_4bit.groupable(states)
@@ -268,7 +273,8 @@ def project_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) 
     if len(projections) > 3:
         return [linear(x, p, kernels) for p in projections]
     if _on_gemv_4bit(x, projections, kernels):
-        return gemv_4bit.project_partials(x, [(p.weight, p.quant) for p in projections])
+        low_rank, lora_b = _shrink(x, projections, kernels)
+        return gemv_4bit.project_partials(x, [(p.weight, p.quant) for p in projections], low_rank, lora_b)
     if _on_gemv(x, projections, kernels):
         widths = [p.weight.shape[0] for p in projections]
         weights = [p.weight for p in projections] + [None] * (3 - len(projections))
