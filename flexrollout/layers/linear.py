@@ -16,8 +16,9 @@ stay one launch feeding the q/k/v epilogue and gate/up one launch with SiLU-mul.
 batches (`Kernels.lora_expand`: big decode batches, prefill) run cuBLAS for W x, the same one
 shrink per group, and one expand launch per projection that adds B (s A x) and rounds once, where
 the unfused path casts PEFT's fp32 A and B every step and launches five kernels per projection.
-4-bit bases with adapters (QLoRA) take the same shrink and expand around their 4-bit projection
-at every batch size. Everything else (LoRARequest rows unless `Kernels.lora_rows`, several
+4-bit bases with adapters (QLoRA) take the same shrink, then the expand around their 4-bit
+projection at every batch size, or, with `Kernels.quant_small`, B (s A x) folded into our 4-bit
+GEMV. Everything else (LoRARequest rows unless `Kernels.lora_rows`, several
 adapter terms on one projection, ranks past `kernels.lora.MAX_RANK`, CPU) runs `_add_low_rank`.
 """
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Kernels:
     whose one adapter term is masked by rows (the adapter table's stacked term, or a live
     adapter off the request rows) takes those kernels too, the mask applied to the shrink's
     partials. `quant_small`: 4-bit projections run the Triton 4-bit GEMV where it takes the
-    batch (`kernels.gemv_4bit.supported`), else bitsandbytes' ops."""
+    batch (`kernels.gemv_4bit.takes`), else bitsandbytes' ops."""
 
     small: bool = False
     pdl: bool = True
@@ -71,7 +72,8 @@ class Linear:
     # lora_mode="merged": the unmerged base weight, read by rows outside `live_mask` (a
     # LoRARequest row must not see the merged live adapters).
     unmerged: torch.Tensor | None = None
-    # A bitsandbytes 4-bit weight's quant state (`weight` is then its packed uint8 data).
+    # A bitsandbytes 4-bit weight's quant state, a `kernels.gemv_4bit.Packed4bit` (`weight` is
+    # then its packed uint8 data).
     quant: object | None = None
 
     @property
@@ -191,11 +193,8 @@ def _on_gemv_4bit(x: torch.Tensor, projections: list[Linear], kernels: Kernels) 
     """These 4-bit projections of `x` run our 4-bit GEMV as one launch (`quant_small`): batch
     and weights the kernel takes, quantised alike, and adapter terms (QLoRA) only where the
     LoRA kernels run and take them, to be folded in."""
-    if not kernels.quant_small or any(p.quant is None for p in projections):
-        return False
-    lora_kernels = kernels.lora_small or kernels.lora_expand
-    if not all(len(p.lora) + len(p.row_lora) == 0 or (lora_kernels and _term_fits(p, kernels))
-               for p in projections):
+    if (not kernels.quant_small or any(p.quant is None for p in projections)
+            or not _lora_kernels_take(projections, kernels)):
         return False
     states = [p.quant for p in projections]
     return all(gemv_4bit.takes(x, q) for q in states) and gemv_4bit.groupable(states)
@@ -208,9 +207,16 @@ def _on_expand(projections: list[Linear], kernels: Kernels) -> bool:
     if not any(_adapter_of(p) is not None for p in projections):
         return False
     if any(p.quant is not None for p in projections):
-        return ((kernels.lora_small or kernels.lora_expand)
-                and all(len(p.lora) + len(p.row_lora) == 0 or _term_fits(p, kernels) for p in projections))
+        return _lora_kernels_take(projections, kernels)
     return kernels.lora_expand and all(_fusable(p, kernels) for p in projections)
+
+
+def _lora_kernels_take(projections: list[Linear], kernels: Kernels) -> bool:
+    """Every adapter term of these projections (none, or one each) goes to the LoRA kernels,
+    which this step runs."""
+    running = kernels.lora_small or kernels.lora_expand
+    return all(len(p.lora) + len(p.row_lora) == 0 or (running and _term_fits(p, kernels))
+               for p in projections)
 
 
 def _expand_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:
