@@ -527,21 +527,32 @@ def test_quant_kernels_decode_like_bitsandbytes_ops_on_cuda(dtype, monkeypatch):
     monkeypatch.setattr(gemv_4bit, "_launch", lambda *a, **kw: launches.append(a[0].shape[0]) or launch(*a, **kw))
     model, tok = _tiny("llama")
     model = _quantize_projections(model.to("cuda", dtype), "nf4", True)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
     runs = {}
     for on in (True, False):
         llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=4, quant_kernels=on)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        runs[on] = [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
-                    for o in outs]
+        runs[on] = _greedy_decode(llm)
         del llm
     assert launches and max(launches) <= gemv_4bit.MAX_ROWS
-    assert [t for t, _ in runs[True]] == [t for t, _ in runs[False]]
-    worst = max(abs(a - b) for (_, la), (_, lb) in zip(runs[True], runs[False]) for a, b in zip(la, lb))
+    _assert_same_decode(runs[True], runs[False], model, dtype)
+
+
+def _greedy_decode(llm) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's 10 greedy tokens and their logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def _assert_same_decode(run, other, model, dtype):
+    """Two engines' greedy decodes agree: tokens equal, logprobs to the dtype's rounding; in fp32
+    both are HF generate's tokens on the dequantised reference."""
+    assert [t for t, _ in run] == [t for t, _ in other]
+    worst = max(abs(a - b) for (_, la), (_, lb) in zip(run, other) for a, b in zip(la, lb))
     assert worst < (1e-4 if dtype == torch.float32 else 5e-2), worst
     if dtype == torch.float32:
         reference = dequantized_reference(model)
-        assert [t for t, _ in runs[True]] == [_hf_greedy(reference, p, 10) for p in PROMPTS]
+        assert [t for t, _ in run] == [_hf_greedy(reference, p, 10) for p in PROMPTS]
 
 
 @pytest.mark.gpu
@@ -553,23 +564,14 @@ def test_4bit_decode_graphs_match_eager_on_cuda(arch, dtype):
     dequantised reference."""
     model, tok = _tiny(arch)
     model = _quantize_projections(model.to("cuda", dtype), "nf4", True)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     runs = {}
     for eager in (False, True):
         llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=4, enforce_eager=eager)
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[eager] = _greedy_decode(llm)
         graphs = llm.llm_engine.runner.graphs
         assert (graphs is None) == eager and (eager or len(graphs.graphs) > 0)
-        runs[eager] = [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
-                       for o in outs]
         del llm
-    assert [t for t, _ in runs[False]] == [t for t, _ in runs[True]]
-    worst = max(abs(a - b) for (_, la), (_, lb) in zip(runs[False], runs[True]) for a, b in zip(la, lb))
-    assert worst < (1e-4 if dtype == torch.float32 else 5e-2), worst
-    if dtype == torch.float32:
-        reference = dequantized_reference(model)
-        assert [t for t, _ in runs[False]] == [_hf_greedy(reference, p, 10) for p in PROMPTS]
+    _assert_same_decode(runs[False], runs[True], model, dtype)
 
 
 def _qlora_projection(out: int, k: int, rank: int, scaling: float):
