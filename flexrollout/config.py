@@ -67,11 +67,12 @@ class EngineConfig:
     # the adapter table, `lora/table.py`; vLLM's name). A step mixing more runs eagerly. The
     # table is allocated as adapters are used: r x (in + out) per adapted projection and slot.
     max_loras: int = 4
-    # Steps with LoRARequest rows fold a projection's one row-masked adapter term (the adapter
-    # table's, or a live adapter off the request rows) into the live-LoRA kernels (shrink + GEMV,
-    # or + expand past 32 rows) instead of four unfused launches per projection. Off until its
-    # GPU test (tests/test_lora_fused_gpu.py) has passed: it has not run on a GPU yet.
-    lora_request_kernels: bool = False
+    # Decode steps of at most 32 rows with LoRARequest rows fold a projection's one row-masked
+    # adapter term (the adapter table's, or a live adapter off the request rows) into the shrink
+    # and the GEMV, instead of four unfused launches per projection. Past 32 rows the unfused
+    # table stays: there the fold would take cuBLAS + expand, which measured slower (H100,
+    # benchmarks/lora_modes.py, 4 adapters r=32: bs 8 1,222 vs 947 tok/s, bs 64 4,105 vs 5,694).
+    lora_request_kernels: bool = True
     # Projections over bitsandbytes 4-bit weights, in batches of at most 64 rows (decode), run
     # flexrollout's Triton 4-bit GEMV (kernels/gemv_4bit.py: packed nibbles and absmax read in
     # place, dequantised in registers) instead of bitsandbytes' own ops. Off until a GPU run has

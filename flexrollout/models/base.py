@@ -293,7 +293,7 @@ class DecoderForward:
         kernels = Kernels(small=small, pdl=self.options.gemv_pdl, epilogue=self.options.qkv_epilogue,
                           expert_rows=self.options.expert_rows if input_ids.is_cuda else 0,
                           lora_small=lora_small, lora_expand=lora_kernels and not lora_small,
-                          lora_rows=lora_kernels and self.options.lora_rows,
+                          lora_rows=lora_small and self.options.lora_rows,
                           quant_small=input_ids.shape[0] <= self.options.quant_rows)
         return Step(meta, cache, rope, kernels, {})
 
