@@ -267,7 +267,9 @@ def test_batches_past_the_gemv_run_one_shrink_per_group_and_expand_per_adapter(m
     gate, up, down = _projection(64, 256, 8, 2.0), _projection(64, 256, 8, 2.0), _projection(256, 64, 16, 0.5)
     for act in (F.silu, functools.partial(F.gelu, approximate="tanh")):
         got = gated_act(x, gate, up, act, kernels)
-        torch.testing.assert_close(got.double(), act(_reference(x, gate)) * _reference(x, up), rtol=1e-5, atol=1e-4)
+        # A product of two fp32 projections (~16 each here): fp32 rounding reaches ~3e-4 in it; a
+        # lost or doubled adapter term would be off by O(1).
+        torch.testing.assert_close(got.double(), act(_reference(x, gate)) * _reference(x, up), rtol=1e-4, atol=1e-3)
     hidden = torch.randn(x.shape[0], 64)
     torch.testing.assert_close(linear(hidden, down, kernels).double(), _reference(hidden, down), rtol=1e-5, atol=1e-4)
     assert calls == {"shrink": 4, "expand": 7}

@@ -222,8 +222,12 @@ def _lora_kernels_take(projections: list[Linear], kernels: Kernels) -> bool:
 def _expand_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> list[torch.Tensor]:
     """Each projection's W x + b from cuBLAS (or its 4-bit projection), then B (s A x) added by
     the expand kernel (rounded once, PEFT's order for 16-bit bases), the group's s A x from one
-    shrink launch."""
+    shrink launch. Its K-slice partials are summed once, before the expands: each expand program
+    would otherwise re-read all of them (64 rows, r=32 on an H100, benchmarks/lora_sweep.py:
+    52 us added per Qwen3-4B layer against 71 us)."""
     low_rank, lora_b = _shrink(x, projections, kernels)
+    if low_rank is not None:
+        low_rank = low_rank.sum(0, keepdim=True)
     r_block = lora_kernels.rank_block([0 if b is None else b.shape[1] for b in lora_b])
     outs = []
     for slot, (p, b) in enumerate(zip(projections, lora_b)):
