@@ -451,7 +451,9 @@ _COMPILE_CHECK = textwrap.dedent("""
         traced.update(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
         return graph.forward
 
-    forward.prepare(replace(options, compile_layers=True, compile_backend=backend,
+    # Inductor (CPU C++ here) also generates the wrapper that calls the op with its arguments
+    forward.prepare(replace(options, compile_layers=True,
+                            compile_backend="inductor" if {inductor} else backend,
                             quant_rows=gemv_4bit.MAX_ROWS, lora_kernels=True))
     assert forward.options.compile_layers
     launches = []                                      # (inside the op: not traced)
@@ -462,10 +464,11 @@ _COMPILE_CHECK = textwrap.dedent("""
     for _ in range(2):           # the second call re-reads every projection: no new compile
         outs = llm.generate([{{"prompt_token_ids": p}} for p in PROMPTS], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
-    assert "flexrollout.gemv_4bit.default" in traced, traced
-    # QLoRA: the shrink, then the adapters folded into the 4-bit launch (no expand)
-    assert ("flexrollout.lora_shrink.default" in traced) == {qlora}, traced
-    assert "flexrollout.lora_expand.default" not in traced, traced
+    if not {inductor}:
+        assert "flexrollout.gemv_4bit.default" in traced, traced
+        # QLoRA: the shrink, then the adapters folded into the 4-bit launch (no expand)
+        assert ("flexrollout.lora_shrink.default" in traced) == {qlora}, traced
+        assert "flexrollout.lora_expand.default" not in traced, traced
     # the packed prefill (20 rows, eager) and the decode steps (3 rows, compiled)
     assert set(launches) == {{sum(map(len, PROMPTS)), len(PROMPTS)}}, launches
     counts = {{}}
@@ -476,15 +479,17 @@ _COMPILE_CHECK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("qlora", [False, True], ids=["nf4", "qlora"])
-def test_4bit_decode_compiles_its_layers_with_the_kernel(qlora):
+@pytest.mark.parametrize("qlora, inductor", [(False, False), (True, False), (False, True)],
+                         ids=["nf4", "qlora", "nf4-inductor"])
+def test_4bit_decode_compiles_its_layers_with_the_kernel(qlora, inductor):
     """Decode's layer functions trace the 4-bit kernel (fullgraph: a graph break would raise),
     and with live adapters the shrink whose result the kernel folds in; they give HF's tokens on the dequantised
     reference (PEFT's with adapters), and compile once per function and batch specialisation,
-    not once per layer: the three fused layer boundaries of 4 layers share their compile."""
+    not once per layer: the three fused layer boundaries of 4 layers share their compile.
+    Through Inductor too, whose generated wrapper once called the op with unbound symbols."""
     pytest.importorskip("triton")
     tests = os.path.dirname(os.path.abspath(__file__))
-    code = _COMPILE_CHECK.format(tests=tests, qlora=qlora)
+    code = _COMPILE_CHECK.format(tests=tests, qlora=qlora, inductor=inductor)
     counts = dict(ast.literal_eval(run_fresh_python(code, triton_interpret=True)))
     assert counts.get("post_then_pre", 0) >= 1 and max(counts.values()) <= 2, counts
 
@@ -619,8 +624,10 @@ def test_qlora_projections_take_one_shrink_per_group_and_an_expand_per_adapter(r
         torch.testing.assert_close(out.double(), reference(x), rtol=1e-5, atol=1e-4)
     (gate, gate_ref), (up, up_ref) = _qlora_projection(64, 256, 8, 2.0), _qlora_projection(64, 256, 8, 2.0)
     act = functools.partial(F.gelu, approximate="tanh")
+    # A product of two fp32 projections (~16 each): fp32 rounding reaches ~3e-4 in it; a lost or
+    # doubled adapter term would be off by O(1).
     torch.testing.assert_close(gated_act(x, gate, up, act, step).double(), act(gate_ref(x)) * up_ref(x),
-                               rtol=1e-5, atol=1e-4)
+                               rtol=1e-4, atol=1e-3)
     down, down_ref = _qlora_projection(256, 64, 16, 0.5)
     hidden = torch.randn(rows, 64)
     torch.testing.assert_close(linear(hidden, down, step).double(), down_ref(hidden), rtol=1e-5, atol=1e-4)

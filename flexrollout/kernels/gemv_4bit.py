@@ -70,6 +70,10 @@ class Packed4bit:
     dtype: torch.dtype            # what bitsandbytes dequantises to
     quant_type: str
     state: object
+    # "blocksize,blocksize2", as the op takes them: compiled code (dynamic=True) reads ints off
+    # this object as symbols, which Inductor's wrapper left unbound (a NameError seen on an H100,
+    # 2026-12-06, reproduced on CPU); a string stays a constant.
+    blocksizes: str = ""
 
     @staticmethod
     def of(state) -> Packed4bit:
@@ -79,7 +83,8 @@ class Packed4bit:
             state.absmax, code, state.state2.absmax if nested else state.absmax,
             state.state2.code if nested else code, state.offset if nested else state.absmax,
             tuple(state.shape), state.blocksize, state.state2.blocksize if nested else 1, nested,
-            state.dtype, state.quant_type, state)
+            state.dtype, state.quant_type, state,
+            f"{state.blocksize},{state.state2.blocksize if nested else 1}")
 
 
 def takes_weight(q: Packed4bit) -> bool:
@@ -254,8 +259,9 @@ def launch_group(x: torch.Tensor, weights: list[tuple[torch.Tensor, Packed4bit]]
         raise ValueError("one launch takes at most three 4-bit weights quantised alike "
                          "(block sizes, nesting, dtype)")
     q0 = weights[0][1]
-    return _launch(x, *_op_args(weights), q0.blocksize, q0.blocksize2, q0.nested, q0.dtype, split,
-                   *(lora or (None,) * 4))
+    tensors = _op_args(weights)
+    return _launch(x, *tensors, _widths(tensors[0], k), q0.blocksize, q0.blocksize2, q0.nested,
+                   q0.dtype, split, *(lora or (None,) * 4))
 
 
 def groupable(states: list[Packed4bit]) -> bool:
@@ -267,10 +273,16 @@ def groupable(states: list[Packed4bit]) -> bool:
 
 
 def _op_args(weights: list[tuple[torch.Tensor, Packed4bit]]) -> tuple:
-    """The op's per-matrix tensor lists and output widths."""
+    """The op's per-matrix tensor lists."""
     return ([p for p, _ in weights], [q.absmax for _, q in weights], [q.code for _, q in weights],
             [q.absmax2 for _, q in weights], [q.code2 for _, q in weights],
-            [q.offset for _, q in weights], [q.shape[0] for _, q in weights])
+            [q.offset for _, q in weights])
+
+
+def _widths(packed: list[torch.Tensor], k: int) -> list:
+    """Each weight's output width, from its packed bytes (two weights per byte, k per row)."""
+    return [p.numel() * 2 // k for p in packed]
+
 
 
 def _launch(x, packed, absmax, code, absmax2, code2, offset, ns: list[int], blocksize: int,
@@ -306,22 +318,23 @@ def _launch(x, packed, absmax, code, absmax2, code2, offset, ns: list[int], bloc
 @torch.library.custom_op("flexrollout::gemv_4bit", mutates_args=())
 def gemv_4bit(x: torch.Tensor, packed: list[torch.Tensor], absmax: list[torch.Tensor],
               code: list[torch.Tensor], absmax2: list[torch.Tensor], code2: list[torch.Tensor],
-              offset: list[torch.Tensor], ns: list[int], blocksize: int, blocksize2: int,
-              nested: bool, w_dtype: torch.dtype, low_rank: torch.Tensor | None = None,
-              b0: torch.Tensor | None = None, b1: torch.Tensor | None = None,
-              b2: torch.Tensor | None = None) -> torch.Tensor:
+              offset: list[torch.Tensor], blocksizes: str, nested: bool, w_dtype: torch.dtype,
+              low_rank: torch.Tensor | None = None, b0: torch.Tensor | None = None,
+              b1: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel as an op torch.compile traces (a graph input per tensor), like small_linear:
-    fp32 partials (split, M, sum(ns)) of up to three weights quantised alike, with their
-    adapters' B (s A x) when `low_rank` is given."""
-    return _launch(x, packed, absmax, code, absmax2, code2, offset, ns, blocksize, blocksize2,
-                   nested, w_dtype, None, low_rank, b0, b1, b2)
+    fp32 partials (split, M, N0 + N1 + N2) of up to three weights quantised alike, with their
+    adapters' B (s A x) when `low_rank` is given. `blocksizes`: "blocksize,blocksize2"."""
+    blocksize, blocksize2 = map(int, blocksizes.split(","))
+    return _launch(x, packed, absmax, code, absmax2, code2, offset, _widths(packed, x.shape[1]),
+                   blocksize, blocksize2, nested, w_dtype, None, low_rank, b0, b1, b2)
 
 
 @gemv_4bit.register_fake
-def _(x, packed, absmax, code, absmax2, code2, offset, ns, blocksize, blocksize2, nested, w_dtype,
+def _(x, packed, absmax, code, absmax2, code2, offset, blocksizes, nested, w_dtype,
       low_rank=None, b0=None, b1=None, b2=None):
-    return x.new_empty(k_slices(sum(ns), x.shape[1], blocksize)[0], x.shape[0], sum(ns),
-                       dtype=torch.float32)
+    n = sum(_widths(packed, x.shape[1]))
+    blocksize = int(blocksizes.split(",")[0])
+    return x.new_empty(k_slices(n, x.shape[1], blocksize)[0], x.shape[0], n, dtype=torch.float32)
 
 
 def project_partials(x: torch.Tensor, weights: list[tuple[torch.Tensor, Packed4bit]],
@@ -331,9 +344,9 @@ def project_partials(x: torch.Tensor, weights: list[tuple[torch.Tensor, Packed4b
     weight's B (`lora_b`, None: no adapter), the adapters folded in. Traceable by torch.compile."""
     q0 = weights[0][1]
     bs = list(lora_b or []) + [None] * (3 - len(lora_b or []))
-    parts = gemv_4bit(x, *_op_args(weights), q0.blocksize, q0.blocksize2, q0.nested, q0.dtype,
-                      low_rank, *bs[:3])
-    return list(parts.split([q.shape[0] for _, q in weights], dim=-1))
+    tensors = _op_args(weights)
+    parts = gemv_4bit(x, *tensors, q0.blocksizes, q0.nested, q0.dtype, low_rank, *bs[:3])
+    return list(parts.split(_widths(tensors[0], x.shape[1]), dim=-1))
 
 
 def project(x: torch.Tensor, packed: torch.Tensor, quant_state,
