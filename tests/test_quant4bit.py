@@ -421,10 +421,10 @@ def test_projections_of_one_input_share_a_4bit_launch(dtype, tol):
     run_fresh_python(_GROUP_CHECK.format(dtype=dtype, tol=tol), triton_interpret=True)
 
 
-# With the kernel, a 4-bit model's decode steps compile their layers (bitsandbytes' ops do not
-# trace, so without it they run uncompiled): forced on CPU here, as on CUDA, through dynamo's
-# eager backend and Triton's interpreter. Prefill stays eager (bitsandbytes past 64 rows, the
-# kernel below).
+# A 4-bit model's steps compile their layers, through bitsandbytes' `gemm_4bit` op (it has a fake
+# implementation) or, with quant_kernels, our kernel up to 64 rows: forced on CPU here, as on
+# CUDA, through dynamo's eager backend (recording the traced ops) or Inductor, and Triton's
+# interpreter.
 _COMPILE_CHECK = textwrap.dedent("""
     import sys
     from dataclasses import replace
@@ -441,7 +441,7 @@ _COMPILE_CHECK = textwrap.dedent("""
         model = reference = with_lora(model)           # PEFT's own forward over bitsandbytes'
     else:
         reference = dequantized_reference(model)
-    llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=4, quant_kernels=True)
+    llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=4, quant_kernels={quant_kernels})
     forward = llm.llm_engine.forward
     options = forward.options                          # CUDA only: quant_rows, LoRA kernels, compile
     assert options.quant_rows == 0 and not options.lora_kernels and not options.compile_layers
@@ -454,7 +454,7 @@ _COMPILE_CHECK = textwrap.dedent("""
     # Inductor (CPU C++ here) also generates the wrapper that calls the op with its arguments
     forward.prepare(replace(options, compile_layers=True,
                             compile_backend="inductor" if {inductor} else backend,
-                            quant_rows=gemv_4bit.MAX_ROWS, lora_kernels=True))
+                            quant_rows=gemv_4bit.MAX_ROWS if {quant_kernels} else 0, lora_kernels=True))
     assert forward.options.compile_layers
     launches = []                                      # (inside the op: not traced)
     launch = gemv_4bit._launch
@@ -465,12 +465,14 @@ _COMPILE_CHECK = textwrap.dedent("""
         outs = llm.generate([{{"prompt_token_ids": p}} for p in PROMPTS], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
     if not {inductor}:
-        assert "flexrollout.gemv_4bit.default" in traced, traced
-        # QLoRA: the shrink, then the adapters folded into the 4-bit launch (no expand)
+        assert ("flexrollout.gemv_4bit.default" in traced) == {quant_kernels}, traced
+        assert ("bitsandbytes.gemm_4bit.default" in traced) != {quant_kernels}, traced
         assert ("flexrollout.lora_shrink.default" in traced) == {qlora}, traced
-        assert "flexrollout.lora_expand.default" not in traced, traced
-    # the packed prefill (20 rows, eager) and the decode steps (3 rows, compiled)
-    assert set(launches) == {{sum(map(len, PROMPTS)), len(PROMPTS)}}, launches
+        # QLoRA: with our kernel the adapters fold into its launch; with bitsandbytes' op an
+        # expand adds each adapter's B (s A x) to its output
+        assert ("flexrollout.lora_expand.default" in traced) == ({qlora} and not {quant_kernels}), traced
+    # with our kernel: the packed prefill (20 rows) and the decode steps (3 rows)
+    assert set(launches) == ({{sum(map(len, PROMPTS)), len(PROMPTS)}} if {quant_kernels} else set()), launches
     counts = {{}}
     for m in dynamo_utils.get_compilation_metrics():
         if m.co_filename and "flexrollout" in m.co_filename:
@@ -479,17 +481,20 @@ _COMPILE_CHECK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("qlora, inductor", [(False, False), (True, False), (False, True)],
-                         ids=["nf4", "qlora", "nf4-inductor"])
-def test_4bit_decode_compiles_its_layers_with_the_kernel(qlora, inductor):
-    """Decode's layer functions trace the 4-bit kernel (fullgraph: a graph break would raise),
-    and with live adapters the shrink whose result the kernel folds in; they give HF's tokens on the dequantised
-    reference (PEFT's with adapters), and compile once per function and batch specialisation,
-    not once per layer: the three fused layer boundaries of 4 layers share their compile.
-    Through Inductor too, whose generated wrapper once called the op with unbound symbols."""
+@pytest.mark.parametrize("quant_kernels, qlora, inductor", [
+    (True, False, False), (True, True, False), (True, False, True),
+    (False, False, False), (False, True, False), (False, False, True)],
+    ids=["kernel", "kernel-qlora", "kernel-inductor", "bnb", "bnb-qlora", "bnb-inductor"])
+def test_4bit_steps_compile_their_layers(quant_kernels, qlora, inductor):
+    """The layer functions trace the 4-bit projection (fullgraph: a graph break would raise):
+    bitsandbytes' gemm_4bit op, or our kernel with quant_kernels; with live adapters the shrink
+    (and, over bitsandbytes' op, the expand). They give HF's tokens on the dequantised reference
+    (PEFT's with adapters), and compile once per function and batch specialisation, not once
+    per layer: the three fused layer boundaries of 4 layers share their compile. Through
+    Inductor too, whose generated wrapper once called our op with unbound symbols."""
     pytest.importorskip("triton")
     tests = os.path.dirname(os.path.abspath(__file__))
-    code = _COMPILE_CHECK.format(tests=tests, qlora=qlora, inductor=inductor)
+    code = _COMPILE_CHECK.format(tests=tests, qlora=qlora, inductor=inductor, quant_kernels=quant_kernels)
     counts = dict(ast.literal_eval(run_fresh_python(code, triton_interpret=True)))
     assert counts.get("post_then_pre", 0) >= 1 and max(counts.values()) <= 2, counts
 

@@ -22,10 +22,12 @@ interpreter truncates fp32 -> bf16 casts and multiplies bf16 dot operands as int
 
 Results come back as fp32 partials (split, M, N) summed by the caller, like `small_linear`.
 
-The engine routes to it only with `LLM(quant_kernels=True)` (off by default) until measured:
-the first version (per-element index arithmetic and three gathers per element) took
-375-1,690 us per Qwen3-4B projection on an H200 (benchmarks/gemv_4bit_sweep.py, 2026-12-04),
-8-40x bitsandbytes' own ops, which `layers/quant.py` runs by default.
+The engine routes to it only with `LLM(quant_kernels=True)` (off by default): on an H100
+(benchmarks/gemv_4bit_sweep.py, 2026-12-06) this version took 180-680 us per Qwen3-4B projection
+at one row, 8-25x bitsandbytes' own op, which `layers/quant.py` runs by default. A tiling sweep
+of the same design (hi and lo nibbles dequantised apart, two quantisation blocks per step) was
+3.5x faster and still 4x slower than bitsandbytes at one row. Not profiled; the suspects are
+the per-element code lookup (a gather from global memory) and the dots' operand conversions.
 """
 from __future__ import annotations
 
@@ -70,10 +72,13 @@ class Packed4bit:
     dtype: torch.dtype            # what bitsandbytes dequantises to
     quant_type: str
     state: object
-    # "blocksize,blocksize2", as the op takes them: compiled code (dynamic=True) reads ints off
+    # "blocksize,blocksize2", as the ops take them: compiled code (dynamic=True) reads ints off
     # this object as symbols, which Inductor's wrapper left unbound (a NameError seen on an H100,
     # 2026-12-06, reproduced on CPU); a string stays a constant.
     blocksizes: str = ""
+    # bitsandbytes' `gemm_4bit` op (0.50 on) takes this weight: its forward op, with a fake
+    # implementation, so compiled code can call it (nested: second-level blocks of 256 only).
+    gemm_op: bool = False
 
     @staticmethod
     def of(state) -> Packed4bit:
@@ -84,7 +89,14 @@ class Packed4bit:
             state.state2.code if nested else code, state.offset if nested else state.absmax,
             tuple(state.shape), state.blocksize, state.state2.blocksize if nested else 1, nested,
             state.dtype, state.quant_type, state,
-            f"{state.blocksize},{state.state2.blocksize if nested else 1}")
+            f"{state.blocksize},{state.state2.blocksize if nested else 1}",
+            _has_gemm_4bit_op() and (not nested or state.state2.blocksize == 256))
+
+
+def _has_gemm_4bit_op() -> bool:
+    import bitsandbytes  # noqa: F401 (registers its ops)
+
+    return hasattr(torch.ops.bitsandbytes, "gemm_4bit")
 
 
 def takes_weight(q: Packed4bit) -> bool:

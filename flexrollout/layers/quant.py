@@ -5,16 +5,16 @@ A `Linear4bit` layer's weight is a `Params4bit`: packed uint8 nibbles with a `qu
 compute dtype). Projections on CUDA run bitsandbytes' own forward op, as its `Linear4bit` does
 (`matmul_4bit` -> `gemm_4bit`): its fused kernel reads the packed weight and the nested absmax in
 place for the row counts its per-architecture heuristic picks, and above them it dequantises
-into a transient and multiplies. Elsewhere (CPU) the weight is dequantised into a transient.
+into a transient and multiplies. We call that op (`torch.ops.bitsandbytes.gemm_4bit`, 0.50 on)
+ourselves: it has a fake implementation, so the layer functions around it compile like a 16-bit
+model's. Elsewhere (CPU, or older bitsandbytes) the weight is dequantised into a transient.
 Nothing is stored beside the packed weights, and a transient lives only for its projection.
 None of these ops reads anything back to the host, so a decode step over 4-bit weights is
 captured as a CUDA graph like any other. bitsandbytes is imported only when such a model arrives.
 
 The Triton kernel of `kernels/gemv_4bit.py` serves batches of up to 64 rows only with
-`EngineConfig.quant_kernels` (off by default): its first version took 375-1,690 us per Qwen3-4B
-projection on an H200 against bitsandbytes' 35-63 us at one row and 37-140 us (dequantise +
-matmul) at 8-16 rows (benchmarks/gemv_4bit_sweep.py, BENCHMARKS.md); its rewrite (per-block
-scales, no per-element index arithmetic) is not yet measured on a GPU.
+`EngineConfig.quant_kernels` (off by default): its rewrite measured 8-25x slower than
+bitsandbytes' op per Qwen3-4B projection on an H100 (benchmarks/gemv_4bit_sweep.py, 2026-12-06).
 """
 from __future__ import annotations
 
@@ -23,6 +23,26 @@ import torch.nn.functional as F
 
 from ..kernels import gemv_4bit
 from ..kernels.gemv_4bit import Packed4bit
+
+
+def _gemm_4bit(x: torch.Tensor, weight: torch.Tensor, quant: Packed4bit,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """bitsandbytes' forward op, called as its `matmul_4bit` calls it without autograd (the
+    same kernels: its fused one for the rows its heuristic picks, the nested absmax read in
+    place, else dequantise + matmul), but traceable by torch.compile: the op has a fake
+    implementation, and the shape and block size come from tensor sizes and a string, not
+    ints read off Python objects (see `Packed4bit.blocksizes`). On CPU it dequantises into
+    x's dtype, so it serves only where that is the quant state's own."""
+    k = x.shape[-1]
+    shape = [weight.numel() * 2 // k, k]
+    blocksize = int(quant.blocksizes.split(",")[0])
+    packed = weight.view(-1, 1)
+    if quant.nested:
+        return torch.ops.bitsandbytes.gemm_4bit.default(
+            x, packed, shape, quant.absmax2, blocksize, quant.quant_type, bias,
+            absmax_8bit=quant.absmax, absmax_code=quant.code2, absmax_offset=quant.offset)
+    return torch.ops.bitsandbytes.gemm_4bit.default(x, packed, shape, quant.absmax, blocksize,
+                                                    quant.quant_type, bias)
 
 
 def quant_state_of(weight: torch.Tensor):
@@ -58,6 +78,8 @@ def project_4bit(x: torch.Tensor, weight: torch.Tensor, quant: Packed4bit,
     one path compiled code may take; else bitsandbytes' ops."""
     if triton_gemv and gemv_4bit.takes(x, quant):
         return gemv_4bit.project(x, weight, quant, bias)
+    if quant.gemm_op and (x.is_cuda or x.dtype == quant.dtype):
+        return _gemm_4bit(x, weight, quant, bias)
     if x.is_cuda:
         import bitsandbytes as bnb
 

@@ -183,12 +183,16 @@ class DecoderForward:
         self.options = options
         self._rope = self.rope_tables(options.max_len)
         small = options.small_rows if self._gemv_ready() else 0
-        # A 4-bit model compiles its layers only where every 4-bit projection runs our kernel
-        # (`quant_rows`: decode steps of up to that many rows, see `_eager`), an op made for
-        # torch.compile; bitsandbytes' ops stay uncompiled. Decode graphs capture either way.
+        # A 4-bit model compiles its layers where every 4-bit projection runs an op torch.compile
+        # traces: bitsandbytes' `gemm_4bit` (0.50 on: every step), or else our kernel
+        # (`quant_rows`: decode steps of up to that many rows, see `_eager`). bitsandbytes'
+        # older ops stay uncompiled. Decode graphs capture either way.
         self._has_4bit = self.quantized
+        self._quant_traces = self._has_4bit and all(
+            p.quant.gemm_op for layer in self._linears for p in layer.values() if p.quant is not None)
         quant_rows = options.quant_rows if self._quant_kernel_ready() else 0
-        compile_layers = options.compile_layers and (not self._has_4bit or quant_rows > 0)
+        compile_layers = options.compile_layers and (
+            not self._has_4bit or self._quant_traces or quant_rows > 0)
         self.options = replace(options, small_rows=min(small, gemv.MAX_ROWS), compile_layers=compile_layers,
                                quant_rows=quant_rows)
         self._compiled = {}     # compiled under the options they were built with
@@ -300,9 +304,9 @@ class DecoderForward:
     def _eager(self, meta: AttentionMetadata) -> bool:
         """The layer functions run uncompiled: compilation is off, or the step's LoRARequest rows
         take the per-adapter path (`LoraBatch`: each count of adapters would be another
-        specialisation), or a 4-bit model's step is past its kernel's rows (bitsandbytes' ops).
-        Rows reading the adapter table (`TableBatch`) compile like any others."""
-        past_quant_kernel = self._has_4bit and not (
+        specialisation), or a 4-bit model whose ops do not trace runs a step past our kernel's
+        rows. Rows reading the adapter table (`TableBatch`) compile like any others."""
+        past_quant_kernel = self._has_4bit and not self._quant_traces and not (
             meta.decode and meta.positions.shape[0] <= self.options.quant_rows)
         return (not self.options.compile_layers or past_quant_kernel
                 or (meta.lora is not None and not meta.lora.compiles))
