@@ -49,6 +49,9 @@
 #              GPU tests, then against bitsandbytes' ops (gemv_4bit_sweep.py) and in the engine
 #              (quant_kernels) at batch 1 / 8 / 64
 #   qlora_next: (carry .whl) QLoRA decode, bitsandbytes' ops against quant_kernels
+#   nf4_compile: (carry .whl) the 4-bit GPU tests, compile_4bit cases included (4-bit layers compiled
+#                around bitsandbytes' gemm_4bit op, CPU-tested only), then NF4 and QLoRA r=32 decode
+#                1 / 8 / 64 with and without it
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
 mkdir -p "$out"
@@ -262,6 +265,13 @@ qlora_next)
   nf4="--preset qwen3-4b --batch-sizes 1,8,64 --quantization bnb-nf4 --lora-rank 32"
   { bench 180 $nf4 | tail -4; bench 180 $nf4 --engine-args '{"quant_kernels": true}' | tail -4; } > "$out/qlora.txt"
   names="gpu qlora" ;;
+nf4_compile)
+  gputest 200 tests/test_quant4bit.py -k "graphs_match_eager or qlora_decode" \
+    | tail -4 > "$out/tests.txt"
+  nf4="--preset qwen3-4b --batch-sizes 1,8,64 --quantization bnb-nf4"
+  { bench 100 $nf4 | tail -4; bench 120 $nf4 --engine-args '{"compile_4bit": true}' | tail -4
+    bench 130 $nf4 --lora-rank 32 --engine-args '{"compile_4bit": true}' | tail -4; } > "$out/nf4.txt"
+  names="gpu tests nf4" ;;
 gemma_compile)
   for preset in gemma-4-e2b qwen3-4b; do
     timeout 150 python3 benchmarks/compile_count.py --preset $preset --batch-sizes 1,8,64 2>&1 | filter | tail -12

@@ -78,6 +78,11 @@ class EngineConfig:
     # place, dequantised in registers) instead of bitsandbytes' own ops. Off until a GPU run has
     # measured it against them (benchmarks/gemv_4bit_sweep.py): its rewrite has not run on a GPU.
     quant_kernels: bool = False
+    # A 4-bit model's layer functions compile around bitsandbytes' own forward op (`gemm_4bit`,
+    # which has a fake implementation), as a 16-bit model's do; off: they run uncompiled around
+    # it (decode still replays CUDA graphs). Off until a GPU run has checked and measured it:
+    # it is tested on CPU only (dynamo and Inductor, tests/test_quant4bit.py).
+    compile_4bit: bool = False
     # vLLM's names: with enable_lora, the KV cache leaves room for a full adapter table
     # (max_loras slots of rank max_lora_rank); an adapter of a larger rank still runs.
     enable_lora: bool = False

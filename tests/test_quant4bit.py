@@ -445,6 +445,7 @@ _COMPILE_CHECK = textwrap.dedent("""
     forward = llm.llm_engine.forward
     options = forward.options                          # CUDA only: quant_rows, LoRA kernels, compile
     assert options.quant_rows == 0 and not options.lora_kernels and not options.compile_layers
+    assert not options.compile_4bit                    # off by default until a GPU run
     traced = set()                                     # the ops dynamo put in the compiled graphs
 
     def backend(graph, example_inputs):
@@ -454,7 +455,8 @@ _COMPILE_CHECK = textwrap.dedent("""
     # Inductor (CPU C++ here) also generates the wrapper that calls the op with its arguments
     forward.prepare(replace(options, compile_layers=True,
                             compile_backend="inductor" if {inductor} else backend,
-                            quant_rows=gemv_4bit.MAX_ROWS if {quant_kernels} else 0, lora_kernels=True))
+                            quant_rows=gemv_4bit.MAX_ROWS if {quant_kernels} else 0,
+                            compile_4bit=not {quant_kernels}, lora_kernels=True))
     assert forward.options.compile_layers
     launches = []                                      # (inside the op: not traced)
     launch = gemv_4bit._launch
@@ -568,15 +570,17 @@ def _assert_same_decode(run, other, model, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen35-dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_4bit_decode_graphs_match_eager_on_cuda(arch, dtype):
-    """A 4-bit model decodes from CUDA graphs (bitsandbytes' gemm_4bit captured), with the same
-    tokens and logprobs as the engine without graphs; in fp32 both equal HF generate on the
-    dequantised reference."""
+@pytest.mark.parametrize("compile_4bit", [False, True], ids=["uncompiled", "compile_4bit"])
+def test_4bit_decode_graphs_match_eager_on_cuda(arch, dtype, compile_4bit):
+    """A 4-bit model decodes from CUDA graphs (bitsandbytes' gemm_4bit captured; with
+    compile_4bit, inside compiled layers), with the same tokens and logprobs as the engine
+    without graphs (uncompiled); in fp32 both equal HF generate on the dequantised reference."""
     model, tok = _tiny(arch)
     model = _quantize_projections(model.to("cuda", dtype), "nf4", True)
     runs = {}
     for eager in (False, True):
-        llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=4, enforce_eager=eager)
+        llm = LLM(model, tokenizer=tok, max_model_len=64, max_num_seqs=4, enforce_eager=eager,
+                  compile_4bit=compile_4bit and not eager)
         runs[eager] = _greedy_decode(llm)
         graphs = llm.llm_engine.runner.graphs
         assert (graphs is None) == eager and (eager or len(graphs.graphs) > 0)
@@ -640,14 +644,16 @@ def test_qlora_projections_take_one_shrink_per_group_and_an_expand_per_adapter(r
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quant_kernels", [False, True], ids=["bnb_ops", "quant_kernels"])
-def test_qlora_decode_on_cuda_matches_peft_and_follows_updates(quant_kernels):
+@pytest.mark.parametrize("quant_kernels, compile_4bit", [(False, False), (False, True), (True, False)],
+                         ids=["bnb_ops", "bnb_ops_compiled", "quant_kernels"])
+def test_qlora_decode_on_cuda_matches_peft_and_follows_updates(quant_kernels, compile_4bit):
     """fp32 QLoRA on the GPU (adapters on all seven projections): decode from graphs with the
     LoRA kernels around bitsandbytes' ops or our 4-bit kernel gives PEFT's greedy tokens, before
     and after an in-place update of the adapters."""
     model, tok = _tiny("llama")
     pm = with_lora(_quantize_projections(model.to("cuda"), "nf4", True))
-    llm = LLM(pm, tokenizer=tok, max_model_len=64, max_num_seqs=4, quant_kernels=quant_kernels)
+    llm = LLM(pm, tokenizer=tok, max_model_len=64, max_num_seqs=4, quant_kernels=quant_kernels,
+              compile_4bit=compile_4bit)
 
     def peft_greedy(prompt):
         ids = torch.tensor([prompt], device="cuda")

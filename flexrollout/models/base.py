@@ -57,6 +57,7 @@ class ForwardOptions:
     expert_rows: int = 0            # MoE steps up to this many (token, expert) rows: grouped GEMV
     lora_rows: bool = False         # LoRARequest rows' adapter terms take the LoRA kernels
     quant_rows: int = 0             # 4-bit projections up to this many rows: our Triton GEMV (0: never)
+    compile_4bit: bool = False      # 4-bit layers compile around bitsandbytes' gemm_4bit op
     lora_kernels: bool = False      # live adapters take the LoRA kernels (CUDA)
     # torch.compile backend of the layer functions; analysis and tests count dynamo's compiles
     # with "eager" (dynamo's guards decide recompiles, not the backend), which is fast on CPU,
@@ -184,11 +185,11 @@ class DecoderForward:
         self._rope = self.rope_tables(options.max_len)
         small = options.small_rows if self._gemv_ready() else 0
         # A 4-bit model compiles its layers where every 4-bit projection runs an op torch.compile
-        # traces: bitsandbytes' `gemm_4bit` (0.50 on: every step), or else our kernel
-        # (`quant_rows`: decode steps of up to that many rows, see `_eager`). bitsandbytes'
-        # older ops stay uncompiled. Decode graphs capture either way.
+        # traces: bitsandbytes' `gemm_4bit` (0.50 on: every step, with `compile_4bit`), or else
+        # our kernel (`quant_rows`: decode steps of up to that many rows, see `_eager`).
+        # bitsandbytes' older ops stay uncompiled. Decode graphs capture either way.
         self._has_4bit = self.quantized
-        self._quant_traces = self._has_4bit and all(
+        self._quant_traces = options.compile_4bit and self._has_4bit and all(
             p.quant.gemm_op for layer in self._linears for p in layer.values() if p.quant is not None)
         quant_rows = options.quant_rows if self._quant_kernel_ready() else 0
         compile_layers = options.compile_layers and (
