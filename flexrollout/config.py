@@ -75,8 +75,8 @@ class EngineConfig:
     lora_request_kernels: bool = True
     # Projections over bitsandbytes 4-bit weights, in batches of at most 64 rows (decode), run
     # flexrollout's Triton 4-bit GEMV (kernels/gemv_4bit.py: packed nibbles and absmax read in
-    # place, dequantised in registers) instead of bitsandbytes' own ops. Off until a GPU run has
-    # measured it against them (benchmarks/gemv_4bit_sweep.py): its rewrite has not run on a GPU.
+    # place, dequantised in registers) instead of bitsandbytes' own ops. Off: it measured 8-25x
+    # slower than them per projection (H100, benchmarks/gemv_4bit_sweep.py, 2026-12-06).
     quant_kernels: bool = False
     # A 4-bit model's layer functions compile around bitsandbytes' own forward op (`gemm_4bit`,
     # which has a fake implementation), as a 16-bit model's do; off: they run uncompiled around

@@ -307,7 +307,6 @@ def _widths(packed: list[torch.Tensor], k: int) -> list:
     return [p.numel() * 2 // k for p in packed]
 
 
-
 def _launch(x, packed, absmax, code, absmax2, code2, offset, ns: list[int], blocksize: int,
             blocksize2: int, nested: bool, w_dtype: torch.dtype, split: int | None = None,
             low_rank=None, b0=None, b1=None, b2=None) -> torch.Tensor:
