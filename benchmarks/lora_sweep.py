@@ -2,7 +2,8 @@
 launch (s A x over PEFT's fp32 A) at several K splits, and the GEMV with B (s A x) folded in,
 against the plain GEMV. Past them (the engine's expand path): cuBLAS per matrix plus one shrink
 and one expand per adapted matrix, against cuBLAS alone, with the shrink at several K splits and
-with its partials summed once before the expands (every expand program re-reads all partials).
+with its partials summed once before the expands (every expand program re-reads all partials),
+and, up to 64 rows, the GEMV with its 64-row tiles, plain and with the adapters folded in.
 
 Qwen3-4B's four projection groups (q/k/v, o, gate/up with SiLU-mul, down), rank 32 adapters on
 every matrix, each timed from CUDA-graph replays of 8 launches over 8 weight copies (as in
@@ -73,7 +74,7 @@ def _expand_path(x, weights, lora_a, lora_b, scales, split: int, summed: bool) -
 
 
 def measure_expand(name: str, rows: int, rank: int, splits: list[int]) -> dict:
-    weights, lora_a, lora_b, x, _, _ = _group(name, rows, rank)
+    weights, lora_a, lora_b, x, silu, pad = _group(name, rows, rank)
     scales = [2.0, 2.0, 2.0]
     row = {"group": name, "rows": rows}
     row["cublas_us"] = _time(lambda i: [F.linear(x, w) for w in weights[i]])
@@ -82,6 +83,13 @@ def measure_expand(name: str, rows: int, rank: int, splits: list[int]) -> dict:
             x, weights[i], lora_a[i], lora_b[i], scales, s, summed=False))
     row["expand_summed_us"] = _time(lambda i: _expand_path(
         x, weights[i], lora_a[i], lora_b[i], scales, lk.MAX_SPLIT, summed=True))
+    if rows <= 64:      # the GEMV's 64-row tiles (benchmarks only): would the fold beat the expand?
+        width = sum(w.shape[0] for w in weights[0][: 1 if silu else 3])
+        tile = sl.tiling(rows, width, x.shape[1], silu, x.dtype)
+        row["gemv_us"] = _time(lambda i: sl.launch(x, *(weights[i] + pad), silu, tile, pdl=True))
+        row["shrink_plus_folded_gemv_us"] = _time(lambda i: sl.launch(
+            x, *(weights[i] + pad), silu, tile, pdl=True,
+            lora=(lk.launch(x, *lora_a[i], scales, pdl=True), *lora_b[i])))
     return row
 
 
