@@ -93,7 +93,15 @@ class Packed4bit:
             _has_gemm_4bit_op() and (not nested or state.state2.blocksize == 256))
 
 
+def block_sizes(blocksizes: str) -> tuple[int, int]:
+    """(blocksize, blocksize2) from `Packed4bit.blocksizes`; constants under torch.compile."""
+    blocksize, blocksize2 = blocksizes.split(",")
+    return int(blocksize), int(blocksize2)
+
+
+@functools.cache
 def _has_gemm_4bit_op() -> bool:
+    """bitsandbytes registered its `gemm_4bit` op (0.50 on); asked once, not per projection read."""
     import bitsandbytes  # noqa: F401 (registers its ops)
 
     return hasattr(torch.ops.bitsandbytes, "gemm_4bit")
@@ -346,7 +354,7 @@ def gemv_4bit(x: torch.Tensor, packed: list[torch.Tensor], absmax: list[torch.Te
     """The kernel as an op torch.compile traces (a graph input per tensor), like small_linear:
     fp32 partials (split, M, N0 + N1 + N2) of up to three weights quantised alike, with their
     adapters' B (s A x) when `low_rank` is given. `blocksizes`: "blocksize,blocksize2"."""
-    blocksize, blocksize2 = map(int, blocksizes.split(","))
+    blocksize, blocksize2 = block_sizes(blocksizes)
     return _launch(x, packed, absmax, code, absmax2, code2, offset, _widths(packed, x.shape[1]),
                    blocksize, blocksize2, nested, w_dtype, None, low_rank, b0, b1, b2)
 
@@ -355,7 +363,7 @@ def gemv_4bit(x: torch.Tensor, packed: list[torch.Tensor], absmax: list[torch.Te
 def _(x, packed, absmax, code, absmax2, code2, offset, blocksizes, nested, w_dtype,
       low_rank=None, b0=None, b1=None, b2=None):
     n = sum(_widths(packed, x.shape[1]))
-    blocksize = int(blocksizes.split(",")[0])
+    blocksize = block_sizes(blocksizes)[0]
     return x.new_empty(k_slices(n, x.shape[1], blocksize)[0], x.shape[0], n, dtype=torch.float32)
 
 

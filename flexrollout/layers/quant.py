@@ -36,7 +36,7 @@ def _gemm_4bit(x: torch.Tensor, weight: torch.Tensor, quant: Packed4bit,
     x's dtype, so it serves only where that is the quant state's own."""
     k = x.shape[-1]
     shape = [weight.numel() * 2 // k, k]
-    blocksize = int(quant.blocksizes.split(",")[0])
+    blocksize = gemv_4bit.block_sizes(quant.blocksizes)[0]
     packed = weight.view(-1, 1)
     if quant.nested:
         return torch.ops.bitsandbytes.gemm_4bit.default(

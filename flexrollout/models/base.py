@@ -188,10 +188,10 @@ class DecoderForward:
         # traces: bitsandbytes' `gemm_4bit` (0.50 on: every step, with `compile_4bit`), or else
         # our kernel (`quant_rows`: decode steps of up to that many rows, see `_eager`).
         # bitsandbytes' older ops stay uncompiled. Decode graphs capture either way.
-        self._has_4bit = self.quantized
-        self._quant_traces = options.compile_4bit and self._has_4bit and all(
-            p.quant.gemm_op for layer in self._linears for p in layer.values() if p.quant is not None)
-        quant_rows = options.quant_rows if self._quant_kernel_ready() else 0
+        states = self._quant_states()
+        self._has_4bit = bool(states)
+        self._quant_traces = options.compile_4bit and self._has_4bit and all(q.gemm_op for q in states)
+        quant_rows = options.quant_rows if all(takes_weight(q) for q in states) else 0
         compile_layers = options.compile_layers and (
             not self._has_4bit or self._quant_traces or quant_rows > 0)
         self.options = replace(options, small_rows=min(small, gemv.MAX_ROWS), compile_layers=compile_layers,
@@ -321,15 +321,10 @@ class DecoderForward:
                                           backend=self.options.compile_backend)
         return self._compiled[fn]
 
-    @property
-    def quantized(self) -> bool:
-        """Some projection reads bitsandbytes 4-bit weights."""
-        return any(p.quant is not None for layer in self._linears for p in layer.values())
-
-    def _quant_kernel_ready(self) -> bool:
-        """Our 4-bit kernel reads every 4-bit projection (block sizes and widths it tiles)."""
-        return all(takes_weight(p.quant) for layer in self._linears for p in layer.values()
-                   if p.quant is not None)
+    def _quant_states(self) -> list:
+        """The quant states (`Packed4bit`) of the projections over bitsandbytes 4-bit weights;
+        empty for a 16-bit model."""
+        return [p.quant for layer in self._linears for p in layer.values() if p.quant is not None]
 
     def _gemv_ready(self) -> bool:
         """Every projection can run small batches through a GEMV kernel (16-bit: CUDA,
