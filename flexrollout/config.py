@@ -80,9 +80,9 @@ class EngineConfig:
     quant_kernels: bool = False
     # A 4-bit model's layer functions compile around bitsandbytes' own forward op (`gemm_4bit`,
     # which has a fake implementation), as a 16-bit model's do; off: they run uncompiled around
-    # it (decode still replays CUDA graphs). Off until a GPU run has checked and measured it:
-    # it is tested on CPU only (dynamo and Inductor, tests/test_quant4bit.py).
-    compile_4bit: bool = False
+    # it (decode still replays CUDA graphs). On: Qwen3-4B NF4 decode measured 1.31 / 1.13 / 1.13x
+    # the uncompiled layers' tok/s at batch 1 / 8 / 64 (H100, same run, 2026-12-06).
+    compile_4bit: bool = True
     # vLLM's names: with enable_lora, the KV cache leaves room for a full adapter table
     # (max_loras slots of rank max_lora_rank); an adapter of a larger rank still runs.
     enable_lora: bool = False

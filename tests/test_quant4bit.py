@@ -445,7 +445,7 @@ _COMPILE_CHECK = textwrap.dedent("""
     forward = llm.llm_engine.forward
     options = forward.options                          # CUDA only: quant_rows, LoRA kernels, compile
     assert options.quant_rows == 0 and not options.lora_kernels and not options.compile_layers
-    assert not options.compile_4bit                    # off by default until a GPU run
+    assert options.compile_4bit                        # on by default (used where layers compile)
     traced = set()                                     # the ops dynamo put in the compiled graphs
 
     def backend(graph, example_inputs):
@@ -548,23 +548,35 @@ def test_quant_kernels_decode_like_bitsandbytes_ops_on_cuda(dtype, monkeypatch):
     _assert_same_decode(runs[True], runs[False], model, dtype)
 
 
-def _greedy_decode(llm) -> list[tuple[list[int], list[float]]]:
-    """Each prompt's 10 greedy tokens and their logprobs."""
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+def _greedy_decode(llm) -> list[tuple[list[int], list[float], list[float]]]:
+    """Each prompt's 10 greedy tokens, their logprobs and each step's gap between its top two logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
-            for o in outs]
+    runs = []
+    for o in outs:
+        steps = [sorted((lp.logprob for lp in step.values()), reverse=True) for step in o.outputs[0].logprobs]
+        runs.append((o.outputs[0].token_ids, [s[0] for s in steps], [s[0] - s[1] for s in steps]))
+    return runs
 
 
-def _assert_same_decode(run, other, model, dtype):
+def _assert_same_decode(run, other, model, dtype, fused=False):
     """Two engines' greedy decodes agree: tokens equal, logprobs to the dtype's rounding; in fp32
-    both are HF generate's tokens on the dequantised reference."""
-    assert [t for t, _ in run] == [t for t, _ in other]
-    worst = max(abs(a - b) for (_, la), (_, lb) in zip(run, other) for a, b in zip(la, lb))
+    both are HF generate's tokens on the dequantised reference. `fused`: one engine compiled its
+    layers and the other did not, so in 16 bits their roundings differ (Inductor keeps fused
+    intermediates in fp32) and a sequence may leave the other at a near-tie (top two within 0.1),
+    and only there; up to it the two agree."""
+    if fused and dtype != torch.float32:
+        for (ta, la, gap_a), (tb, lb, gap_b) in zip(run, other):
+            same = next((i for i, (a, b) in enumerate(zip(ta, tb)) if a != b), len(ta))
+            assert same == len(ta) or max(gap_a[same], gap_b[same]) < 0.1, (same, gap_a[same], gap_b[same])
+            assert all(abs(a - b) < 5e-2 for a, b in zip(la[:same], lb[:same])), (la, lb)
+        return
+    assert [t for t, *_ in run] == [t for t, *_ in other]
+    worst = max(abs(a - b) for (_, la, _), (_, lb, _) in zip(run, other) for a, b in zip(la, lb))
     assert worst < (1e-4 if dtype == torch.float32 else 5e-2), worst
     if dtype == torch.float32:
         reference = dequantized_reference(model)
-        assert [t for t, _ in run] == [_hf_greedy(reference, p, 10) for p in PROMPTS]
+        assert [t for t, *_ in run] == [_hf_greedy(reference, p, 10) for p in PROMPTS]
 
 
 @pytest.mark.gpu
@@ -585,7 +597,7 @@ def test_4bit_decode_graphs_match_eager_on_cuda(arch, dtype, compile_4bit):
         graphs = llm.llm_engine.runner.graphs
         assert (graphs is None) == eager and (eager or len(graphs.graphs) > 0)
         del llm
-    _assert_same_decode(runs[False], runs[True], model, dtype)
+    _assert_same_decode(runs[False], runs[True], model, dtype, fused=compile_4bit)
 
 
 def _qlora_projection(out: int, k: int, rank: int, scaling: float):

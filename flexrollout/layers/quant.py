@@ -7,7 +7,7 @@ compute dtype). Projections on CUDA run bitsandbytes' own forward op, as its `Li
 place for the row counts its per-architecture heuristic picks, and above them it dequantises
 into a transient and multiplies. We call that op (`torch.ops.bitsandbytes.gemm_4bit`, 0.50 on)
 ourselves: it has a fake implementation, so the layer functions around it can compile like a
-16-bit model's (`EngineConfig.compile_4bit`, off until a GPU run). Elsewhere (CPU in another
+16-bit model's (`EngineConfig.compile_4bit`, on by default). Elsewhere (CPU in another
 dtype, or older bitsandbytes) the weight is dequantised into a transient.
 Nothing is stored beside the packed weights, and a transient lives only for its projection.
 None of these ops reads anything back to the host, so a decode step over 4-bit weights is

@@ -57,7 +57,7 @@ class ForwardOptions:
     expert_rows: int = 0            # MoE steps up to this many (token, expert) rows: grouped GEMV
     lora_rows: bool = False         # LoRARequest rows' adapter terms take the LoRA kernels
     quant_rows: int = 0             # 4-bit projections up to this many rows: our Triton GEMV (0: never)
-    compile_4bit: bool = False      # 4-bit layers compile around bitsandbytes' gemm_4bit op
+    compile_4bit: bool = True       # 4-bit layers compile around bitsandbytes' gemm_4bit op
     lora_kernels: bool = False      # live adapters take the LoRA kernels (CUDA)
     # torch.compile backend of the layer functions; analysis and tests count dynamo's compiles
     # with "eager" (dynamo's guards decide recompiles, not the backend), which is fast on CPU,
