@@ -53,7 +53,8 @@
 #                around bitsandbytes' gemm_4bit op, CPU-tested only), then NF4 and QLoRA r=32 decode
 #                1 / 8 / 64 with and without it
 #   designs : (carry .whl) the 4-bit GEMV designs with bitsandbytes' layout (K whole, one kernel;
-#             gemv_4bit_designs.py), then the GPU tests not yet seen to pass: the GEMV's GELU-tanh
+#             gemv_4bit_designs.py), bitsandbytes' gemm_4bit as dispatched and its fused kernel
+#             forced at every row count (gemv_4bit_sweep.py), then the GPU tests not yet seen to pass: the GEMV's GELU-tanh
 #             epilogue (test_kernels.py) and the 4-bit kernel's 40-row case after the mul.rn fix
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
@@ -276,11 +277,13 @@ nf4_compile)
     bench 130 $nf4 --lora-rank 32 --engine-args '{"compile_4bit": true}' | tail -4; } > "$out/nf4.txt"
   names="gpu tests nf4" ;;
 designs)
-  timeout 300 python3 benchmarks/gemv_4bit_designs.py 2>&1 | tee -a "$out/full.log" | grep -v -e fail -e Warn \
+  timeout 250 python3 benchmarks/gemv_4bit_designs.py 2>&1 | tee -a "$out/full.log" | grep -v -e fail -e Warn \
     | tail -16 > "$out/designs.txt"
-  gputest 240 -v tests/test_kernels.py tests/test_quant4bit.py -k "kernel_on_cuda" | grep -E "PASS|FAIL|Error|passed|failed" \
+  timeout 120 python3 benchmarks/gemv_4bit_sweep.py --rows 1,4,8,16,64 2>&1 | tee -a "$out/full.log" \
+    | grep -v Warn | tail -22 > "$out/sweep.txt"
+  gputest 200 -v tests/test_kernels.py tests/test_quant4bit.py -k "kernel_on_cuda" | grep -E "PASS|FAIL|Error|passed|failed" \
     | tail -30 > "$out/tests.txt"
-  names="gpu designs tests" ;;
+  names="gpu designs sweep tests" ;;
 gemma_compile)
   for preset in gemma-4-e2b qwen3-4b; do
     timeout 150 python3 benchmarks/compile_count.py --preset $preset --batch-sizes 1,8,64 2>&1 | filter | tail -12
