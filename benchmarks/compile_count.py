@@ -55,7 +55,8 @@ def build_llm(args, device: str) -> LLM:
     max_seqs = max(args.batch_sizes)
     return LLM(model, tokenizer=None, skip_tokenizer_init=True, dtype=args.dtype,
                max_model_len=args.max_len, max_num_seqs=max_seqs,
-               max_num_batched_tokens=max(256, args.prompt_len * max_seqs), seed=0)
+               max_num_batched_tokens=max(256, args.prompt_len * max_seqs), seed=0,
+               static_weight_shapes=not args.symbolic_weights)
 
 
 def force_compile(llm: LLM, backend: str) -> None:
@@ -121,6 +122,8 @@ def parse_args(argv=None):
     p.add_argument("--backend", default="inductor", help="torch.compile backend (eager: fast counting)")
     p.add_argument("--device", default=None)
     p.add_argument("--verbose", action="store_true", help="also log every recompile's full reason")
+    p.add_argument("--symbolic-weights", action="store_true",
+                   help="LLM(static_weight_shapes=False): weight shapes traced as symbols")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     return args

@@ -56,6 +56,9 @@
 #             gemv_4bit_designs.py), bitsandbytes' gemm_4bit as dispatched and its fused kernel
 #             forced at every row count (gemv_4bit_sweep.py), then the GPU tests not yet seen to pass: the GEMV's GELU-tanh
 #             epilogue (test_kernels.py) and the 4-bit kernel's 40-row case after the mul.rn fix
+#   gemma_startup : Gemma-4-E2B decode 1 / 8 / 64 from cold compile caches with weight shapes traced
+#                   as constants (default) and as symbols (static_weight_shapes=False: 20 -> 11
+#                   compiles at 10 layers on CPU): start-up against tok/s
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
 mkdir -p "$out"
@@ -284,6 +287,13 @@ designs)
   gputest 200 -v tests/test_kernels.py tests/test_quant4bit.py -k "kernel_on_cuda" | grep -E "PASS|FAIL|Error|passed|failed" \
     | tail -30 > "$out/tests.txt"
   names="gpu designs sweep tests" ;;
+gemma_startup)
+  for a in '{}' '{"static_weight_shapes": false}'; do
+    echo "== $a"; rm -rf /tmp/cold-inductor /tmp/cold-triton
+    TORCHINDUCTOR_CACHE_DIR=/tmp/cold-inductor TRITON_CACHE_DIR=/tmp/cold-triton \
+      bench 260 --preset gemma-4-e2b --batch-sizes 1,8,64 --workload decode --engine-args "$a" | tail -10
+  done > "$out/startup.txt"
+  names="gpu startup" ;;
 gemma_compile)
   for preset in gemma-4-e2b qwen3-4b; do
     timeout 150 python3 benchmarks/compile_count.py --preset $preset --batch-sizes 1,8,64 2>&1 | filter | tail -12

@@ -14,13 +14,15 @@ import torch
 _LIMITS = dict(recompile_limit=64, accumulated_recompile_limit=512)
 
 
-def compiled(fn, **options):
-    """`fn` compiled with `options`, called under the engine's recompile limits."""
+def compiled(fn, dynamo_config: dict | None = None, **options):
+    """`fn` compiled with `options`, called under the engine's recompile limits and
+    `dynamo_config` (dynamo settings scoped to this function's calls, which is when it traces)."""
     compiled_fn = torch.compile(fn, **options)
+    settings = {**_LIMITS, **(dynamo_config or {})}
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        with torch._dynamo.config.patch(**_LIMITS):
+        with torch._dynamo.config.patch(**settings):
             return compiled_fn(*args, **kwargs)
 
     return call

@@ -83,6 +83,13 @@ class EngineConfig:
     # it (decode still replays CUDA graphs). On: Qwen3-4B NF4 decode measured 1.31 / 1.13 / 1.13x
     # the uncompiled layers' tok/s at batch 1 / 8 / 64 (H100, same run, 2026-12-06).
     compile_4bit: bool = True
+    # Layer functions trace the weights' shapes as constants (dynamo's default): each layer
+    # kind of another width compiles apart. False: the shapes are symbolic, so one compile serves
+    # layers of different widths (Gemma-4's head dims of 256 and 512, its double-wide MLPs):
+    # E2B at 10 layers compiles 11 times instead of 20 (CPU count, benchmarks/compile_count.py),
+    # which should shorten its graph capture; but Inductor then generates kernels for symbolic
+    # widths, which may decode slower. On until a GPU run weighs the two (issue #19).
+    static_weight_shapes: bool = True
     # vLLM's names: with enable_lora, the KV cache leaves room for a full adapter table
     # (max_loras slots of rank max_lora_rank); an adapter of a larger rank still runs.
     enable_lora: bool = False

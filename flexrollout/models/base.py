@@ -58,6 +58,7 @@ class ForwardOptions:
     lora_rows: bool = False         # LoRARequest rows' adapter terms take the LoRA kernels
     quant_rows: int = 0             # 4-bit projections up to this many rows: our Triton GEMV (0: never)
     compile_4bit: bool = True       # 4-bit layers compile around bitsandbytes' gemm_4bit op
+    static_weight_shapes: bool = True   # False: layer functions trace weight shapes as symbols
     lora_kernels: bool = False      # live adapters take the LoRA kernels (CUDA)
     # torch.compile backend of the layer functions; analysis and tests count dynamo's compiles
     # with "eager" (dynamo's guards decide recompiles, not the backend), which is fast on CPU,
@@ -317,7 +318,8 @@ class DecoderForward:
         if eager:
             return fn
         if fn not in self._compiled:
-            self._compiled[fn] = compiled(fn, dynamic=True, fullgraph=True,
+            symbolic = {} if self.options.static_weight_shapes else {"force_parameter_static_shapes": False}
+            self._compiled[fn] = compiled(fn, symbolic, dynamic=True, fullgraph=True,
                                           backend=self.options.compile_backend)
         return self._compiled[fn]
 
