@@ -56,6 +56,9 @@
 #             gemv_4bit_designs.py), bitsandbytes' gemm_4bit as dispatched and its fused kernel
 #             forced at every row count (gemv_4bit_sweep.py), then the GPU tests not yet seen to pass: the GEMV's GELU-tanh
 #             epilogue (test_kernels.py) and the 4-bit kernel's 40-row case after the mul.rn fix
+#   fused : live LoRA with the shrink fused into the GEMV launch: its GPU tests, Qwen3-4B decode
+#           1 / 8 / 64 base, live r=32, and live r=32 with the separate shrink launch, then
+#           lora_sweep.py (the fused launch at several K slices, B prefetched or not)
 #   gemma_startup : Gemma-4-E2B decode 1 / 8 / 64 from cold compile caches with weight shapes traced
 #                   as constants (default) and as symbols (static_weight_shapes=False: 20 -> 11
 #                   compiles at 10 layers on CPU): start-up against tok/s
@@ -303,5 +306,13 @@ gemma_compile)
   timeout 120 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 2>&1 | filter | head -30 \
     > "$out/profile.txt"
   names="gpu compiles e2b profile" ;;
+fused)
+  gputest 180 tests/test_lora_fused_gpu.py | tail -12 > "$out/tests.txt"
+  q4b="--preset qwen3-4b --batch-sizes 1,8,64 --workload decode"
+  bench 110 $q4b | tail -5 > "$out/base.txt"
+  bench 110 $q4b --lora-rank 32 | tail -5 > "$out/live.txt"
+  bench 110 $q4b --lora-rank 32 --engine-args '{"lora_fused_shrink": false}' | tail -5 > "$out/separate.txt"
+  timeout 150 python3 benchmarks/lora_sweep.py --rows 1,32,64 --splits 32 2>&1 | filter > "$out/lora_sweep.txt"
+  names="gpu tests base live separate lora_sweep" ;;
 esac
 for f in $names; do echo "== $f"; cat "$out/$f.txt"; done

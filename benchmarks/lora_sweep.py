@@ -4,6 +4,8 @@ against the plain GEMV. Past them (the engine's expand path): cuBLAS per matrix 
 and one expand per adapted matrix, against cuBLAS alone, with the shrink at several K splits and
 with its partials summed once before the expands (every expand program re-reads all partials),
 and, up to 64 rows, the GEMV with its 64-row tiles, plain and with the adapters folded in.
+At every row count, the GEMV with the fused shrink (its first programs compute s A x: no shrink
+launch) at several K slices, with B's tiles loaded before or after the K loop.
 
 Qwen3-4B's four projection groups (q/k/v, o, gate/up with SiLU-mul, down), rank 32 adapters on
 every matrix, each timed from CUDA-graph replays of 8 launches over 8 weight copies (as in
@@ -19,6 +21,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 from gemv_sweep import SHAPES, graph_us_cycling
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from flexrollout.kernels import lora as lk
 from flexrollout.kernels import small_linear as sl
@@ -60,7 +64,25 @@ def measure(name: str, rows: int, rank: int, splits: list[int]) -> dict:
     row["shrink_plus_folded_us"] = _time(lambda i: sl.launch(
         x, *(weights[i] + pad), silu, tile, pdl=True,
         lora=(lk.launch(x, *lora_a[i], scales, pdl=True), *lora_b[i])))
+    _fused(row, x, weights, lora_a, lora_b, scales, silu, tile, pad)
     return row
+
+
+FUSED = {"fused": (sl.SHRINK_SPLIT, True), "fused_no_prefetch": (sl.SHRINK_SPLIT, False),
+         "fused8": (8, True), "fused32": (32, True)}
+
+
+def _fused(row, x, weights, lora_a, lora_b, scales, silu, tile, pad) -> None:
+    """The GEMV launch computing s A x in its own first programs (no shrink launch), at
+    several K slices per adapter, with B's tiles loaded before the K loop or after it."""
+    for name, (parts, prefetch) in FUSED.items():
+        try:
+            row[f"{name}_us"] = _time(lambda i, p=parts, f=prefetch: sl.launch(
+                x, *(weights[i] + pad), silu, tile, pdl=True, lora=(None, *lora_b[i]),
+                lora_a=(*lora_a[i], scales), shrink_split=p, prefetch_b=f))
+        except (OutOfResources, CompilationError) as error:   # a tiling that does not fit
+            print(f"{row['group']} {name} at {x.shape[0]} rows failed: {error!r:.200}", flush=True)
+            row[f"{name}_us"] = float("nan")
 
 
 def _expand_path(x, weights, lora_a, lora_b, scales, split: int, summed: bool) -> None:
@@ -90,6 +112,7 @@ def measure_expand(name: str, rows: int, rank: int, splits: list[int]) -> dict:
         row["shrink_plus_folded_gemv_us"] = _time(lambda i: sl.launch(
             x, *(weights[i] + pad), silu, tile, pdl=True,
             lora=(lk.launch(x, *lora_a[i], scales, pdl=True), *lora_b[i])))
+        _fused(row, x, weights, lora_a, lora_b, scales, silu, tile, pad)
     return row
 
 

@@ -73,6 +73,10 @@ class EngineConfig:
     # table stays: there the fold would take cuBLAS + expand, which measured slower (H100,
     # benchmarks/lora_modes.py, 4 adapters r=32: bs 8 1,222 vs 947 tok/s, bs 64 4,105 vs 5,694).
     lora_request_kernels: bool = True
+    # Live LoRA in decode steps of up to 32 rows: the GEMV launch of each projection group
+    # computes its adapters' s A x in its own first programs, instead of after a separate
+    # shrink launch (four launches fewer per layer); off only to measure it.
+    lora_fused_shrink: bool = True
     # Projections over bitsandbytes 4-bit weights, in batches of at most 64 rows (decode), run
     # flexrollout's Triton 4-bit GEMV (kernels/gemv_4bit.py: packed nibbles and absmax read in
     # place, dequantised in registers) instead of bitsandbytes' own ops. Off: it measured 8-25x

@@ -48,6 +48,15 @@ _CHECK = textwrap.dedent("""
         cpu = sl._reference(x, *(ws + pad), silu, tile.split, (low_rank, *(b_s + pad)))
         err = ((cpu.double().sum(0) - ref).norm() / ref.norm()).item()
         assert err < tol, ("reference", case_index, err)
+        # The fused shrink: the launch's first programs compute s A x (16 or 3 K slices), its
+        # GEMV programs wait for them; both counters are back at zero after the launch.
+        for parts, prefetch in ((sl.SHRINK_SPLIT, True), (3, False)):
+            fused = sl.launch(x, *(ws + pad), silu, tile, lora=(None, *(b_s + pad)),
+                              lora_a=(*(a_s + pad), scales + [0.0] * len(pad)),
+                              shrink_split=parts, prefetch_b=prefetch)
+            err = ((fused.double().sum(0) - ref).norm() / ref.norm()).item()
+            assert err < tol, ("fused", parts, case_index, err)
+            assert sl.sync_counters(x.device).tolist() == [0, 0]
 """)
 
 CASES = {
@@ -59,8 +68,10 @@ CASES = {
     "float32-silu": [(3, 256, [72, 72], [8, 16], True, 1),
                      (32, 256, [64, 64], [64, 64], True, 1)],
     # 16-bit (fp16: Triton 3.6's interpreter mis-reads bf16; bf16 runs in the GPU tests),
-    # up to the 64 rows 16-bit live-LoRA batches take; the engine's own tilings.
+    # up to the 64 rows 16-bit live-LoRA batches take; the engine's own tilings (down's long-K
+    # one: 256-wide K steps, split 2).
     "float16": [(1, 512, [136], [16], False, "auto"),
+                (1, 2048, [128], [32], False, "auto"),
                 (8, 1024, [136], [64], False, "auto"),
                 (24, 256, [80, 48, 48], [16, 16, 0], False, 2),
                 (64, 256, [96, 32, 32], [8, 8, 8], False, "auto"),
@@ -127,14 +138,20 @@ _HOPPER_CHECK = textwrap.dedent("""
                                 options={"num_warps": warps, "num_stages": stages})
         return kernel.metadata.shared
 
-    def gemv(m, n, k, silu, dtype, r_block=64):
+    def gemv(m, n, k, silu, dtype, r_block=64, fused=False):
         tile, t = sl.tiling(m, n, k, silu, dtype), TYPES[dtype]
         types = {p: "*" + t for p in ("x_ptr", "w0_ptr", "w1_ptr", "w2_ptr")}
         types.update(out_ptr="*" + (t if silu else "fp32"), la_ptr="*fp32", b0_ptr="*fp32",
-                     b1_ptr="*fp32", b2_ptr="*fp32")
+                     b1_ptr="*fp32", b2_ptr="*fp32", a0_ptr="*fp32", a1_ptr="*fp32",
+                     a2_ptr="*fp32", s0="fp32", s1="fp32", s2="fp32", sync_ptr="*i32")
+        # The fused shrink: 3 slots x its K slices ahead of the GEMV's programs, B prefetched.
+        slots = 2 if silu else 3
+        parts = -(-(k // sl.BLOCK_K) // -(-(k // sl.BLOCK_K) // sl.SHRINK_SPLIT))
         consts = dict(BLOCK_M=sl.row_block(m), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                       SILU_MUL=silu, IEEE=dtype == torch.float32, PDL=True, LORA=True,
-                      R=r_block, LA_SPLIT=lk.split_of(k, m), GELU=silu)
+                      R=r_block, LA_SPLIT=parts if fused else lk.split_of(k, m), GELU=silu,
+                      SHRINK_PROGRAMS=slots * parts if fused else 0, SLOTS=slots,
+                      PREFETCH_B=fused)
         return compiled_shared(sl._kernel(), types, consts, tile.warps, tile.stages)
 
     def shrink(m, dtype, r_block=64):
@@ -158,6 +175,10 @@ _HOPPER_CHECK = textwrap.dedent("""
         "qkv bf16 64 rows": gemv(64, 6144, 2560, False, bf16),
         "gate/up fp32 32 rows": gemv(32, 3072, 1024, True, fp32),
         "qkv fp32 1 row": gemv(1, 6144, 2560, False, fp32),
+        "gate/up bf16 32 rows fused": gemv(32, 9728, 2560, True, bf16, fused=True),
+        "qkv bf16 32 rows fused": gemv(32, 6144, 2560, False, bf16, fused=True),
+        "down bf16 1 row fused": gemv(1, 2560, 9728, False, bf16, fused=True),
+        "gate/up fp32 32 rows fused": gemv(32, 3072, 1024, True, fp32, fused=True),
         "shrink bf16 64 rows": shrink(64, bf16),
         "shrink fp32 32 rows": shrink(32, fp32),
         "expand bf16 64 rows": expand(64, bf16),
@@ -198,10 +219,10 @@ def _reference(x: torch.Tensor, p: Linear, rows: torch.Tensor | None = None) -> 
     return out
 
 
-GEMV = [Kernels(small=True), Kernels(lora_small=True)]
+GEMV = [Kernels(small=True), Kernels(lora_small=True), Kernels(lora_small=True, fused_shrink=False)]
 
 
-@pytest.mark.parametrize("kernels", GEMV, ids=["small", "lora_small"])
+@pytest.mark.parametrize("kernels", GEMV, ids=["small", "lora_small", "separate_shrink"])
 @pytest.mark.parametrize("rows", [1, 7, 32])
 def test_qkv_group_with_live_adapters_runs_as_one_gemv(kernels, rows, monkeypatch):
     torch.manual_seed(rows)
@@ -212,12 +233,13 @@ def test_qkv_group_with_live_adapters_runs_as_one_gemv(kernels, rows, monkeypatc
     monkeypatch.setattr(lk, "lora_shrink", lambda *a, **kw: calls.append(1) or shrink(*a, **kw))
     outputs = project_group(x, [q, k, v], kernels)
     assert all(o.dim() == 3 for o in outputs), "expected the GEMV's partials (one launch)"
-    assert len(calls) == 1, "one shrink launch for the group"
+    # The GEMV computes s A x itself (fused shrink), or one shrink launch serves the group.
+    assert len(calls) == (0 if kernels.fused_shrink else 1)
     for out, p in zip(outputs, (q, k, v)):
         torch.testing.assert_close(out.sum(0).double(), _reference(x, p), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernels", GEMV, ids=["small", "lora_small"])
+@pytest.mark.parametrize("kernels", GEMV, ids=["small", "lora_small", "separate_shrink"])
 def test_gated_act_and_linear_with_live_adapters(kernels):
     torch.manual_seed(0)
     gate, up, down = _projection(64, 128, 8, 2.0), _projection(64, 128, 8, 2.0), _projection(128, 64 * 2, 16, 0.5)
@@ -282,7 +304,7 @@ def test_batches_past_the_gemv_run_one_shrink_per_group_and_expand_per_adapter(m
 
 
 @pytest.mark.parametrize("kernels", [Kernels(), *GEMV, Kernels(lora_expand=True)],
-                         ids=["cublas", "small", "lora_small", "lora_expand"])
+                         ids=["cublas", "small", "lora_small", "separate_shrink", "lora_expand"])
 def test_lora_request_rows_take_their_adapter_instead_of_the_live_one(kernels):
     """Rows with a LoRARequest use their adapter instead of the live one (vLLM's rule), whatever
     path the step's size picks: such projections leave the GEMV for the masked path."""

@@ -110,7 +110,7 @@ class LLMEngine:
             qkv_epilogue=config.qkv_epilogue, lora_rows=config.lora_request_kernels,
             quant_rows=GEMV_4BIT_MAX_ROWS if config.quant_kernels and device.type == "cuda" else 0,
             compile_4bit=config.compile_4bit, static_weight_shapes=config.static_weight_shapes,
-            lora_kernels=device.type == "cuda",
+            lora_kernels=device.type == "cuda", fused_shrink=config.lora_fused_shrink,
             expert_rows=config.moe_small_batch_max_rows if config.small_batch_kernels else 0))
         backend = config.attention_backend
         if backend == "auto":

@@ -43,6 +43,8 @@ BLOCK_N = 64
 # (o_proj, 40 blocks: split 8 reads 2.84 TB/s at M = 1, split 2 2.72; benchmarks/gemv_sweep.py.)
 MIN_PROGRAMS = 256
 MAX_SPLIT = 8
+# K slices per adapter in the fused shrink (each a program; the GEMV's slice-0 programs sum them).
+SHRINK_SPLIT = 16
 # The gated products the gate/up launch's epilogue computes, act(gate) * up: Llama / Qwen's SiLU
 # and Gemma's GELU-tanh (the layers pass these very functions).
 GELU_TANH = functools.partial(F.gelu, approximate="tanh")
@@ -124,84 +126,7 @@ def _pdl_ok(device_index: int) -> bool:
 @functools.cache
 def _kernel():
     """The Triton kernel, built on first use (so importing flexrollout never needs Triton)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def small_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, M, K, K_PER, N0, N1, N2,
-                            BLOCKS0, BLOCKS1, stride_xm, stride_split, stride_om,
-                            la_ptr, b0_ptr, b1_ptr, b2_ptr, R0, R1, R2, stride_la_split,
-                            stride_la_m,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            SILU_MUL: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                            LORA: tl.constexpr, R: tl.constexpr, LA_SPLIT: tl.constexpr,
-                            GELU: tl.constexpr):
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        # Which matrix this program's output block belongs to, where its columns start, and its
-        # adapter (B, rank, slot of the low-rank intermediate).
-        if pid_n < BLOCKS0:
-            w_ptr, n_rows, row0, col0 = w0_ptr, N0, pid_n * BLOCK_N, pid_n * 0
-            b_ptr, rank, slot = b0_ptr, R0, 0
-        elif pid_n < BLOCKS0 + BLOCKS1:
-            w_ptr, n_rows, row0, col0 = w1_ptr, N1, (pid_n - BLOCKS0) * BLOCK_N, N0
-            b_ptr, rank, slot = b1_ptr, R1, 1
-        else:
-            w_ptr, n_rows, row0, col0 = w2_ptr, N2, (pid_n - BLOCKS0 - BLOCKS1) * BLOCK_N, N0 + N1
-            b_ptr, rank, slot = b2_ptr, R2, 2
-        rows = row0 + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, BLOCK_M)
-        precision: tl.constexpr = "ieee" if IEEE else "tf32"
-        if PDL:
-            # Launched early (PDL): x is the previous kernel's output; wait until it is written.
-            tl.extra.cuda.gdc_wait()
-        # Weights are the A operand (BLOCK_N x BLOCK_K), the few input rows the B operand:
-        # the matrix units then work on 64-row tiles however small the batch is.
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k in range(0, K_PER, BLOCK_K):
-            offs_k = pid_k * K_PER + k + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=offs_m[:, None] < M, other=0.0)
-            w_offs = rows[:, None] * K + offs_k[None, :]
-            w_mask = rows[:, None] < n_rows
-            w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
-            acc += tl.dot(w, tl.trans(x), input_precision=precision)
-            if SILU_MUL:
-                up = tl.load(w1_ptr + w_offs, mask=w_mask, other=0.0)
-                acc_up += tl.dot(up, tl.trans(x), input_precision=precision)
-        if LORA:  # noqa: SIM102 (compile-time branch around a runtime one)
-            # The adapter's B (s A x) joins the fp32 sums once (in the first K slice), before
-            # the epilogue: the partials' consumers and SiLU-mul see base + delta. Columns past
-            # `rank` (and slots without an adapter, rank 0) are masked out of both operands.
-            if pid_k == 0:
-                offs_r = tl.arange(0, R)
-                for j in tl.static_range(2 if SILU_MUL else 1):   # SiLU-mul: gate, then up
-                    if j == 1:
-                        b_ptr, rank, slot = b1_ptr, R1, 1
-                    la_mask = (offs_m[:, None] < M) & (offs_r[None, :] < rank)
-                    la = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-                    for s in tl.static_range(LA_SPLIT):
-                        la += tl.load(la_ptr + s * stride_la_split + offs_m[:, None] * stride_la_m
-                                      + slot * R + offs_r[None, :], mask=la_mask, other=0.0)
-                    b = tl.load(b_ptr + rows[:, None] * rank + offs_r[None, :],
-                                mask=(rows[:, None] < n_rows) & (offs_r[None, :] < rank), other=0.0)
-                    delta = tl.dot(b.to(tl.float32), tl.trans(la), input_precision=precision)
-                    if j == 0:
-                        acc += delta
-                    else:
-                        acc_up += delta
-        if SILU_MUL and GELU:
-            # GELU-tanh(g) = 0.5 g (1 + tanh(u)) = g * sigmoid(2 u), u = sqrt(2 / pi) (g + 0.044715 g^3)
-            u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-            acc = acc / (1.0 + tl.exp(-2.0 * u)) * acc_up
-        elif SILU_MUL:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-        out = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + (col0 + rows)[:, None]
-        # Stored in the output's dtype: fp32 partials, or x's dtype for SiLU-mul (rounded once).
-        tl.store(out, acc.to(out_ptr.dtype.element_ty),
-                 mask=(offs_m[None, :] < M) & (rows[:, None] < n_rows))
-
+    from .small_linear_jit import small_linear_kernel
     return small_linear_kernel
 
 
@@ -220,22 +145,31 @@ def small_linear(x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor | None = No
                  w2: torch.Tensor | None = None, silu_mul: bool = False,
                  pdl: bool = True, low_rank: torch.Tensor | None = None,
                  b0: torch.Tensor | None = None, b1: torch.Tensor | None = None,
-                 b2: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
+                 b2: torch.Tensor | None = None, act: str = "silu",
+                 a0: torch.Tensor | None = None, a1: torch.Tensor | None = None,
+                 a2: torch.Tensor | None = None, s0: float = 0.0, s1: float = 0.0,
+                 s2: float = 0.0) -> torch.Tensor:
     """fp32 partials (split, M, N) of x @ [w0; w1; w2]^T, or act(x w0^T) * (x w1^T) as
     (1, M, N) in x's dtype (`silu_mul`; `act`: "silu" or "gelu_tanh", Gemma's gated MLP).
     `pdl`: allow programmatic dependent launch (where the GPU has it).
 
-    Live LoRA: `low_rank` is `kernels.lora.lora_shrink`'s s * A x partials for the same
-    matrices, `b0`..`b2` the adapters' B (out, rank) (None: no adapter on that matrix); each
-    matrix's B (s A x) is added to its sums (to gate and up before SiLU-mul)."""
+    Live LoRA: `b0`..`b2` are the adapters' B (out, rank) (None: no adapter on that matrix);
+    each matrix's B (s A x) is added to its sums (to gate and up before SiLU-mul). s A x comes
+    either as `low_rank`, `kernels.lora.lora_shrink`'s partials, or is computed in this launch
+    from the adapters' A `a0`..`a2` (rank, K) and scalings `s0`..`s2` (the fused shrink)."""
     tile = _tiling_of(x, w0, w1, w2, silu_mul)
-    lora = None if low_rank is None else (low_rank, b0, b1, b2)
     if act not in GATED_ACTS:
         raise ValueError(f"act must be one of {sorted(GATED_ACTS)}, got {act!r}")
+    lora_a = (a0, a1, a2, (s0, s1, s2)) if any(a is not None for a in (a0, a1, a2)) else None
+    if lora_a is not None and low_rank is not None:
+        raise ValueError("small_linear takes low_rank or the adapters' A (a0..a2), not both")
+    lora = None if low_rank is None and lora_a is None else (low_rank, b0, b1, b2)
     if not x.is_cuda:
+        if lora_a is not None:
+            lora = (_shrink_reference(x, *lora_a), b0, b1, b2)
         return _reference(x, w0, w1, w2, silu_mul, tile.split, lora, act)
     return launch(x, w0, w1, w2, silu_mul, tile, pdl=pdl and _pdl_ok(x.device.index or 0),
-                  lora=lora, act=act)
+                  lora=lora, act=act, lora_a=lora_a)
 
 
 def _tiling_of(x, w0, w1, w2, silu_mul: bool) -> Tiling:
@@ -243,10 +177,13 @@ def _tiling_of(x, w0, w1, w2, silu_mul: bool) -> Tiling:
 
 
 def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
-           lora: tuple | None = None, act: str = "silu") -> torch.Tensor:
+           lora: tuple | None = None, act: str = "silu", lora_a: tuple | None = None,
+           shrink_split: int = SHRINK_SPLIT, prefetch_b: bool = True) -> torch.Tensor:
     """Run the Triton kernel (CUDA, or Triton's interpreter on CPU tensors in tests).
     `pdl`: launch with programmatic dependent launch (Hopper on). `lora`: (low_rank, b0, b1,
-    b2) and `act` as `small_linear` takes them."""
+    b2) and `act` as `small_linear` takes them; with `lora_a` (a0, a1, a2, scalings) low_rank
+    may be None: the launch's first programs compute it, in up to `shrink_split` K slices per
+    adapter. `prefetch_b`: load the B tiles before the K loop."""
     import triton
 
     m, k = x.shape
@@ -261,18 +198,66 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
     extra = {"launch_pdl": True} if pdl else {}
     low_rank, bs = (None, (None,) * 3) if lora is None else (lora[0], lora[1:])
     ranks = [0 if b is None else b.shape[1] for b in bs]
+    r_block = rank_block(ranks)
+    shrink = _FusedShrink(x, lora_a, r_block, shrink_split) if lora_a is not None else None
+    if shrink is not None:
+        low_rank = shrink.low_rank
     # Without LoRA the pointers are never read (LORA=False): any tensor stands in.
     la = out if low_rank is None else low_rank
     b_ptrs = [next((b for b in bs if b is not None), out) if b is None else b for b in bs]
-    _kernel()[(sum(blocks), tile.split)](
+    a_args = (la,) * 3 + (0.0,) * 3 + (0, la) if shrink is None else shrink.args
+    programs = 0 if shrink is None else shrink.programs
+    _kernel()[(programs + sum(blocks), tile.split)](
         x, w0, w0 if w1 is None else w1, w0 if w2 is None else w2, out, m, k, k // tile.split,
         n0, n1, n2, blocks[0], blocks[1], x.stride(0), out.stride(0), out.stride(1),
-        la, *b_ptrs, *ranks, la.stride(0), la.stride(1),
+        la, *b_ptrs, *ranks, la.stride(0), la.stride(1), *a_args,
         BLOCK_M=row_block(m), BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, SILU_MUL=silu_mul, IEEE=x.dtype == torch.float32, PDL=pdl,
-        LORA=low_rank is not None, R=rank_block(ranks), LA_SPLIT=la.shape[0] if low_rank is not None else 1,
-        GELU=act == "gelu_tanh", num_warps=tile.warps, num_stages=tile.stages, **extra)
+        LORA=low_rank is not None, R=r_block, LA_SPLIT=la.shape[0] if low_rank is not None else 1,
+        GELU=act == "gelu_tanh", SHRINK_PROGRAMS=programs,
+        SLOTS=1 if shrink is None else shrink.slots, PREFETCH_B=prefetch_b and low_rank is not None,
+        num_warps=tile.warps, num_stages=tile.stages, **extra)
     return out
+
+
+class _FusedShrink:
+    """The fused shrink of one launch: `slots` adapters (a matrix without one keeps its slot,
+    zeros) x `parts` K slices = `programs` programs ahead of the GEMV's, writing `low_rank`
+    (parts, M, slots * R) fp32 partials, with a zeroed pair of counters they and the GEMV's
+    slice-0 programs meet at."""
+
+    def __init__(self, x: torch.Tensor, lora_a: tuple, r_block: int, max_parts: int):
+        *adapters, scales = lora_a
+        m, k = x.shape
+        self.slots = max(i + 1 for i, a in enumerate(adapters) if a is not None)
+        chunks = k // BLOCK_K
+        k_shrink = BLOCK_K * -(-chunks // max_parts)
+        parts = -(-k // k_shrink)
+        self.programs = self.slots * parts
+        self.low_rank = torch.empty(parts, m, self.slots * r_block, device=x.device,
+                                    dtype=torch.float32)
+        dummy = next(a for a in adapters if a is not None)
+        if not all(a is None or (a.is_contiguous() and a.shape[1] == k) for a in adapters):
+            raise ValueError("the fused shrink needs contiguous adapters A of the input's width")
+        self.args = (*(dummy if a is None else a for a in adapters), *(float(s) for s in scales),
+                     k_shrink, sync_counters(x.device))
+
+
+# Per device, two int32 counters the fused shrink's launches use and leave at zero.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def sync_counters(device: torch.device) -> torch.Tensor:
+    """The device's counters, allocated on first use. That first use must not be inside a
+    CUDA-graph capture (the engine's warm-up steps run first), or the graph's pool would own
+    them."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("small_linear's fused shrink first ran inside a CUDA-graph "
+                               "capture; run the step once eagerly before capturing it")
+        counters = _COUNTERS[device] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counters
 
 
 def row_block(m: int) -> int:
@@ -289,7 +274,7 @@ def rank_block(ranks) -> int:
 
 @small_linear.register_fake
 def _(x, w0, w1=None, w2=None, silu_mul=False, pdl=True, low_rank=None, b0=None, b1=None, b2=None,
-      act="silu"):
+      act="silu", a0=None, a1=None, a2=None, s0=0.0, s1=0.0, s2=0.0):
     split = _tiling_of(x, w0, w1, w2, silu_mul).split
     return x.new_empty(split, x.shape[0], _out_width(w0, w1, w2, silu_mul),
                        dtype=_out_dtype(x, silu_mul))
@@ -311,6 +296,18 @@ def _reference(x, w0, w1, w2, silu_mul: bool, split: int, lora: tuple | None = N
                          for i in range(split)])
     parts[0] += torch.cat([d.expand(x.shape[0], w.shape[0]) for d, w in zip(deltas, weights)], dim=1)
     return parts
+
+
+def _shrink_reference(x, a0, a1, a2, scales) -> torch.Tensor:
+    """s A x of each adapter as one partial (1, M, slots * R), fp32, zeros where none."""
+    adapters = (a0, a1, a2)
+    r_block = rank_block([0 if a is None else a.shape[0] for a in adapters])
+    slots = max(i + 1 for i, a in enumerate(adapters) if a is not None)
+    out = x.new_zeros(1, x.shape[0], slots * r_block, dtype=torch.float32)
+    for i, (a, scale) in enumerate(zip(adapters, scales)):
+        if a is not None:
+            out[0, :, i * r_block:i * r_block + a.shape[0]] = x.float() @ a.float().T * scale
+    return out
 
 
 def _low_rank_reference(lora: tuple | None, rows: int) -> list:

@@ -56,6 +56,9 @@ class Kernels:
     lora_expand: bool = False
     lora_rows: bool = False
     quant_small: bool = False
+    # The GEMV's live-LoRA launches compute s A x themselves (their first programs) instead of
+    # after a separate shrink launch; row-masked terms keep the shrink.
+    fused_shrink: bool = True
 
 
 @dataclass(frozen=True)
@@ -258,6 +261,21 @@ def _shrink(x: torch.Tensor, projections: list[Linear], kernels: Kernels):
     return low_rank, lora_b
 
 
+def _gemv_lora(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> dict:
+    """The GEMV's adapter arguments for these projections: their B, and their s A x from one
+    shrink launch (`low_rank`), or, for live adapters without row masks under
+    `kernels.fused_shrink`, their A and scalings, for the GEMV launch to compute s A x itself."""
+    terms = [_adapter_of(p) for p in projections]
+    if kernels.fused_shrink and any(terms) and all(t is None or t[3] is None for t in terms):
+        terms += [None] * (3 - len(terms))
+        args = {f"b{i}": None if t is None else t[1] for i, t in enumerate(terms)}
+        args.update({f"a{i}": None if t is None else t[0] for i, t in enumerate(terms)})
+        args.update({f"s{i}": 0.0 if t is None else float(t[2]) for i, t in enumerate(terms)})
+        return args
+    low_rank, lora_b = _shrink(x, projections, kernels)
+    return {"low_rank": low_rank, "b0": lora_b[0], "b1": lora_b[1], "b2": lora_b[2]}
+
+
 def _column_mask(masks: list, lora_a: list, rows: int, device: torch.device) -> torch.Tensor:
     """(rows, slots * R) 0/1 over the shrink's columns: each slot's row mask (T, 1) or column
     mask (T, width <= R), ones for an unmasked slot. Zeroed columns add exactly nothing."""
@@ -288,9 +306,8 @@ def project_group(x: torch.Tensor, projections: list[Linear], kernels: Kernels) 
     if _on_gemv(x, projections, kernels):
         widths = [p.weight.shape[0] for p in projections]
         weights = [p.weight for p in projections] + [None] * (3 - len(projections))
-        low_rank, lora_b = _shrink(x, projections, kernels)
-        partials = gemv.small_linear(x, *weights, pdl=kernels.pdl, low_rank=low_rank,
-                                     b0=lora_b[0], b1=lora_b[1], b2=lora_b[2])
+        partials = gemv.small_linear(x, *weights, pdl=kernels.pdl,
+                                     **_gemv_lora(x, projections, kernels))
         return list(partials.split(widths, dim=-1))
     if _on_expand(projections, kernels):
         return _expand_group(x, projections, kernels)
@@ -313,9 +330,8 @@ def gated_act(x: torch.Tensor, gate: Linear, up: Linear, act, kernels: Kernels) 
     launch whose epilogue applies act(gate) * up (live adapters folded in before it)."""
     epilogue = "silu" if act is F.silu else ("gelu_tanh" if act is gemv.GELU_TANH else None)
     if epilogue and gate.bias is None and up.bias is None and _on_gemv(x, [gate, up], kernels):
-        low_rank, lora_b = _shrink(x, [gate, up], kernels)
         return gemv.small_linear(x, gate.weight, up.weight, silu_mul=True, pdl=kernels.pdl,
-                                 low_rank=low_rank, b0=lora_b[0], b1=lora_b[1], act=epilogue)[0]
+                                 act=epilogue, **_gemv_lora(x, [gate, up], kernels))[0]
     if (_adapter_of(gate) is not None or _adapter_of(up) is not None
             or _on_gemv_4bit(x, [gate, up], kernels)):
         # Other activations (or biases) with adapters: still one shrink for both, and one

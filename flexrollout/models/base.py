@@ -60,6 +60,7 @@ class ForwardOptions:
     compile_4bit: bool = True       # 4-bit layers compile around bitsandbytes' gemm_4bit op
     static_weight_shapes: bool = True   # False: layer functions trace weight shapes as symbols
     lora_kernels: bool = False      # live adapters take the LoRA kernels (CUDA)
+    fused_shrink: bool = True       # the GEMV computes live adapters' s A x in its own launch
     # torch.compile backend of the layer functions; analysis and tests count dynamo's compiles
     # with "eager" (dynamo's guards decide recompiles, not the backend), which is fast on CPU,
     # or pass a backend function that reads the traced graphs.
@@ -300,7 +301,8 @@ class DecoderForward:
                           expert_rows=self.options.expert_rows if input_ids.is_cuda else 0,
                           lora_small=lora_small, lora_expand=lora_kernels and not lora_small,
                           lora_rows=lora_small and self.options.lora_rows,
-                          quant_small=input_ids.shape[0] <= self.options.quant_rows)
+                          quant_small=input_ids.shape[0] <= self.options.quant_rows,
+                          fused_shrink=self.options.fused_shrink)
         return Step(meta, cache, rope, kernels, {})
 
     def _eager(self, meta: AttentionMetadata) -> bool:
