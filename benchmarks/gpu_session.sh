@@ -56,6 +56,8 @@
 #             gemv_4bit_designs.py), bitsandbytes' gemm_4bit as dispatched and its fused kernel
 #             forced at every row count (gemv_4bit_sweep.py), then the GPU tests not yet seen to pass: the GEMV's GELU-tanh
 #             epilogue (test_kernels.py) and the 4-bit kernel's 40-row case after the mul.rn fix
+#   models : (carry .whl with fla) where Gemma-4-E2B's batch-1 step goes (profile), Qwen3.5-4B decode
+#            1 / 8 / 64 against HF, Gemma-4-26B-A4B decode 1 / 8
 #   fused : live LoRA with the shrink fused into the GEMV launch: its GPU tests, Qwen3-4B decode
 #           1 / 8 / 64 base, live r=32, and live r=32 with the separate shrink launch, then
 #           lora_sweep.py (the fused launch at several K slices, B prefetched or not)
@@ -314,5 +316,13 @@ fused)
   bench 110 $q4b --lora-rank 32 --engine-args '{"lora_fused_shrink": false}' | tail -5 > "$out/separate.txt"
   timeout 150 python3 benchmarks/lora_sweep.py --rows 1,32,64 --splits 32 2>&1 | filter > "$out/lora_sweep.txt"
   names="gpu tests base live separate lora_sweep" ;;
+models)
+  timeout 150 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 2>&1 | filter | head -40 \
+    > "$out/e2b_profile.txt"
+  bench 220 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 16 \
+    | tail -5 > "$out/qwen35.txt"
+  bench 200 --preset gemma-4-26b-a4b --batch-sizes 1,8 --workload decode --gpu-memory-utilization 0.9 \
+    | tail -4 > "$out/gemma26b.txt"
+  names="gpu e2b_profile qwen35 gemma26b" ;;
 esac
 for f in $names; do echo "== $f"; cat "$out/$f.txt"; done

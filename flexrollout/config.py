@@ -91,8 +91,9 @@ class EngineConfig:
     # kind of another width compiles apart. False: the shapes are symbolic, so one compile serves
     # layers of different widths (Gemma-4's head dims of 256 and 512, its double-wide MLPs):
     # E2B at 10 layers compiles 11 times instead of 20 (CPU count, benchmarks/compile_count.py),
-    # which should shorten its graph capture; but Inductor then generates kernels for symbolic
-    # widths, which may decode slower. Stays True until a GPU run weighs the two (issue #19).
+    # and Inductor generates kernels for symbolic widths. H100, E2B from empty caches: start-up
+    # 45.1 s -> 28.5 s, decode 6% slower at batch 8 and 64 (BENCHMARKS.md, eighth session).
+    # Decoding for hours outweighs 16 s once, so True stays the default.
     static_weight_shapes: bool = True
     # vLLM's names: with enable_lora, the KV cache leaves room for a full adapter table
     # (max_loras slots of rank max_lora_rank); an adapter of a larger rank still runs.
