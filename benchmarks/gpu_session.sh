@@ -56,6 +56,9 @@
 #             gemv_4bit_designs.py), bitsandbytes' gemm_4bit as dispatched and its fused kernel
 #             forced at every row count (gemv_4bit_sweep.py), then the GPU tests not yet seen to pass: the GEMV's GELU-tanh
 #             epilogue (test_kernels.py) and the 4-bit kernel's 40-row case after the mul.rn fix
+#   eighth : the fused shrink's GEMV and fp32 graph tests, Qwen3-4B decode base / live r=32, live r=32
+#            at batch 64 through the GEMV (lora_gemv_max_rows 64), where Gemma-4-E2B's batch-1 step
+#            goes, live r=32 with the separate shrink launch
 #   models : (carry .whl with fla) where Gemma-4-E2B's batch-1 step goes (profile), Qwen3.5-4B decode
 #            1 / 8 / 64 against HF, Gemma-4-26B-A4B decode 1 / 8
 #   fused : live LoRA with the shrink fused into the GEMV launch: its GPU tests, Qwen3-4B decode
@@ -316,6 +319,18 @@ fused)
   bench 110 $q4b --lora-rank 32 --engine-args '{"lora_fused_shrink": false}' | tail -5 > "$out/separate.txt"
   timeout 150 python3 benchmarks/lora_sweep.py --rows 1,32,64 --splits 32 2>&1 | filter > "$out/lora_sweep.txt"
   names="gpu tests base live separate lora_sweep" ;;
+eighth)
+  gputest 140 tests/test_lora_fused_gpu.py -k "folded_gemv or fp32_live" | tail -8 > "$out/tests.txt"
+  q4b="--preset qwen3-4b --workload decode"
+  bench 100 $q4b --batch-sizes 1,8,64 | tail -5 > "$out/base.txt"
+  bench 100 $q4b --batch-sizes 1,8,64 --lora-rank 32 | tail -5 > "$out/live.txt"
+  bench 70 $q4b --batch-sizes 64 --lora-rank 32 --engine-args '{"lora_gemv_max_rows": 64}' | tail -3 \
+    > "$out/gemv64.txt"
+  timeout 100 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 2>&1 | filter | head -40 \
+    > "$out/e2b_profile.txt"
+  bench 80 $q4b --batch-sizes 1,8 --lora-rank 32 --engine-args '{"lora_fused_shrink": false}' | tail -4 \
+    > "$out/separate.txt"
+  names="gpu tests base live gemv64 e2b_profile separate" ;;
 models)
   timeout 150 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 2>&1 | filter | head -40 \
     > "$out/e2b_profile.txt"

@@ -5,6 +5,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .kernels.small_linear import LAUNCH_MAX_ROWS as GEMV_LAUNCH_ROWS
 from .kernels.small_linear import MAX_ROWS as GEMV_MAX_ROWS
 
 _DTYPES = {
@@ -77,6 +78,10 @@ class EngineConfig:
     # computes its adapters' s A x in its own first programs, instead of after a separate
     # shrink launch (four launches fewer per layer); off only to measure it.
     lora_fused_shrink: bool = True
+    # Decode steps of up to this many rows run live-LoRA projections through the GEMV with the
+    # adapter folded in (at most 64, one row tile); larger steps run cuBLAS, a shrink and an
+    # expand launch per projection. 32: the plain GEMV's own limit.
+    lora_gemv_max_rows: int = 32
     # Projections over bitsandbytes 4-bit weights, in batches of at most 64 rows (decode), run
     # flexrollout's Triton 4-bit GEMV (kernels/gemv_4bit.py: packed nibbles and absmax read in
     # place, dequantised in registers) instead of bitsandbytes' own ops. Off: it measured 8-25x
@@ -115,7 +120,8 @@ class EngineConfig:
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "small_batch_max_rows", "mlp_chunk_tokens", "max_loras", "max_lora_rank"):
+        for name in ("max_num_seqs", "small_batch_max_rows", "mlp_chunk_tokens", "max_loras", "max_lora_rank",
+                     "lora_gemv_max_rows"):
             _check_positive_int(name, getattr(self, name))
         rows = self.moe_small_batch_max_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
@@ -123,6 +129,9 @@ class EngineConfig:
         if self.small_batch_max_rows > GEMV_MAX_ROWS:
             raise ValueError(f"small_batch_max_rows must be <= {GEMV_MAX_ROWS} (the GEMV kernel's "
                              f"largest row tile), got {self.small_batch_max_rows}")
+        if self.lora_gemv_max_rows > GEMV_LAUNCH_ROWS:
+            raise ValueError(f"lora_gemv_max_rows must be <= {GEMV_LAUNCH_ROWS} (the GEMV kernel's "
+                             f"largest row tile), got {self.lora_gemv_max_rows}")
         for name in ("max_model_len", "max_num_batched_tokens", "page_size", "num_kv_pages", "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None:

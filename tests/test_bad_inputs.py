@@ -178,6 +178,13 @@ def test_bad_small_batch_max_rows(tiny_llama, rows, error):
         LLM(model, tokenizer=tok, max_model_len=64, small_batch_max_rows=rows)
 
 
+@pytest.mark.parametrize("rows, error", [(65, ValueError), (0, ValueError), (True, TypeError)])
+def test_bad_lora_gemv_max_rows(tiny_llama, rows, error):
+    model, tok = tiny_llama()
+    with pytest.raises(error, match="lora_gemv_max_rows"):
+        LLM(model, tokenizer=tok, max_model_len=64, lora_gemv_max_rows=rows)
+
+
 @pytest.mark.parametrize("chunk, error", [(0, ValueError), (-4, ValueError), (512.0, TypeError)])
 def test_bad_mlp_chunk_tokens(tiny_llama, chunk, error):
     model, tok = tiny_llama()

@@ -63,6 +63,25 @@ def test_peft_model_parity_and_live_update(arch, mlp_chunk):
     assert _gen(llm) == [_hf(pm, p) for p in PROMPTS]
 
 
+def test_lora_gemv_max_rows_picks_each_steps_lora_path():
+    """`lora_gemv_max_rows` decides, per step, where live adapters fold into the GEMV
+    (`lora_small`) and where cuBLAS + shrink + expand run (`lora_expand`); row-masked
+    LoRARequest terms fold at up to 32 rows whatever it is. (On CUDA; here the options CUDA
+    would set are forced, and only the step's choice is read.)"""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    pm, tok = _peft("qwen3")
+    llm = LLM(pm, tokenizer=tok, max_model_len=64, max_num_seqs=4, lora_gemv_max_rows=48)
+    forward = llm.llm_engine.forward
+    assert forward.options.lora_gemv_rows == 48
+    forward.options = replace(forward.options, lora_kernels=True, small_rows=32)
+    for rows, small, masked in ((32, True, True), (33, True, False), (48, True, False), (49, False, False)):
+        positions = torch.zeros(rows, dtype=torch.long)
+        kernels = forward._step(positions, SimpleNamespace(positions=positions), None).kernels
+        assert (kernels.lora_small, kernels.lora_expand, kernels.lora_rows) == (small, not small, masked)
+
+
 def test_rslora_scaling_matches_peft():
     pm, tok = _peft(use_rslora=True)
     llm = LLM(pm, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=32)

@@ -49,21 +49,25 @@ def _relerr(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).norm() / want.norm()).item()
 
 
+@pytest.mark.parametrize("gemv_rows", [lora_kernels.MAX_ROWS, 64], ids=["gemv32", "gemv64"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_shrink", "shrink_launch"])
 @pytest.mark.parametrize("rank", [16, 32, 64])
 @pytest.mark.parametrize("rows", [1, 8, 32, 33, 64, 65, 300])
-def test_folded_gemv_bf16_at_qwen3_4b_shapes(rank, rows, fused):
+def test_folded_gemv_bf16_at_qwen3_4b_shapes(rank, rows, fused, gemv_rows):
     """q/k/v (v unadapted), gate/up with SiLU-mul, o and down as the engine calls them: within
     PEFT's own bf16 error of float64 (one rounding instead of PEFT's two). Up to the GEMV's LoRA
-    rows (32) the GEMV with the adapter folded in (s A x from its own first programs, or from a
-    shrink launch); past them cuBLAS, the shrink and the expand kernel (`Kernels.lora_expand`)."""
-    if rows > lora_kernels.MAX_ROWS and not fused:
+    rows (32 by default, up to 64 with `lora_gemv_max_rows`) the GEMV with the adapter folded in
+    (s A x from its own first programs, or from a shrink launch); past them cuBLAS, the shrink
+    and the expand kernel (`Kernels.lora_expand`)."""
+    if rows > gemv_rows and not fused:
         pytest.skip("past the GEMV's rows there is no fused shrink to turn off")
+    if gemv_rows > lora_kernels.MAX_ROWS and not lora_kernels.MAX_ROWS < rows <= gemv_rows:
+        pytest.skip("routed as with 32 rows")
     g = torch.Generator().manual_seed(rank * 100 + rows)
     q, k, v = _projection(4096, 2560, rank, g), _projection(1024, 2560, rank, g), _projection(1024, 2560, 0, g)
     gate, up = _projection(9728, 2560, rank, g), _projection(9728, 2560, rank, g)
     o, down = _projection(2560, 4096, rank, g), _projection(2560, 9728, rank, g)
-    gemv = rows <= lora_kernels.MAX_ROWS
+    gemv = rows <= gemv_rows
     kernels = Kernels(small=gemv, lora_small=gemv, lora_expand=not gemv, fused_shrink=fused)
     x = torch.randn(rows, 2560, generator=g).to("cuda", torch.bfloat16)
     with torch.no_grad():

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from conftest import run_fresh_python
 
 from flexrollout.kernels import lora as lk
+from flexrollout.kernels import small_linear as sl
 from flexrollout.layers.linear import Kernels, Linear, gated_act, linear, project_group
 
 # Runs in a fresh interpreter: TRITON_INTERPRET must be set before the kernels are built.
@@ -179,6 +180,11 @@ _HOPPER_CHECK = textwrap.dedent("""
         "qkv bf16 32 rows fused": gemv(32, 6144, 2560, False, bf16, fused=True),
         "down bf16 1 row fused": gemv(1, 2560, 9728, False, bf16, fused=True),
         "gate/up fp32 32 rows fused": gemv(32, 3072, 1024, True, fp32, fused=True),
+        # lora_gemv_max_rows up to 64: one 64-row tile.
+        "gate/up bf16 64 rows fused": gemv(64, 9728, 2560, True, bf16, fused=True),
+        "qkv bf16 64 rows fused": gemv(64, 6144, 2560, False, bf16, fused=True),
+        "down bf16 64 rows fused": gemv(64, 2560, 9728, False, bf16, fused=True),
+        "gate/up fp32 64 rows fused": gemv(64, 3072, 1024, True, fp32, fused=True),
         "shrink bf16 64 rows": shrink(64, bf16),
         "shrink fp32 32 rows": shrink(32, fp32),
         "expand bf16 64 rows": expand(64, bf16),
@@ -255,17 +261,20 @@ def test_gated_act_and_linear_with_live_adapters(kernels):
 
 
 def test_lora_small_needs_an_adapter_and_the_row_limit():
-    """Plain projections keep the cuBLAS path outside `small`, and live-LoRA batches past the
-    dtype's row limit run the unfused path (full outputs, not partials)."""
+    """Plain projections keep the cuBLAS path outside `small`; live-LoRA batches run the GEMV
+    up to its one row tile (64 rows, `lora_gemv_max_rows`' ceiling) and the unfused path past
+    it (full outputs, not partials)."""
     torch.manual_seed(1)
     plain, adapted = _projection(64, 128, 0, 1.0), _projection(64, 128, 8, 1.0)
     x = torch.randn(4, 128)
     assert project_group(x, [plain], Kernels(lora_small=True))[0].dim() == 2
     assert project_group(x, [adapted], Kernels(lora_small=True))[0].dim() == 3
-    big = torch.randn(lk.MAX_ROWS + 1, 128)
-    out = project_group(big, [adapted], Kernels(lora_small=True))[0]
-    assert out.dim() == 2
-    torch.testing.assert_close(out.double(), _reference(big, adapted), rtol=1e-5, atol=1e-4)
+    for rows, partials in ((sl.LAUNCH_MAX_ROWS, True), (sl.LAUNCH_MAX_ROWS + 1, False)):
+        big = torch.randn(rows, 128)
+        out = project_group(big, [adapted], Kernels(lora_small=True))[0]
+        assert (out.dim() == 3) == partials
+        got = out.sum(0) if partials else out
+        torch.testing.assert_close(got.double(), _reference(big, adapted), rtol=1e-5, atol=1e-4)
 
 
 def test_batches_past_the_gemv_run_one_shrink_per_group_and_expand_per_adapter(monkeypatch):

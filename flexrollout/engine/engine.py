@@ -111,6 +111,7 @@ class LLMEngine:
             quant_rows=GEMV_4BIT_MAX_ROWS if config.quant_kernels and device.type == "cuda" else 0,
             compile_4bit=config.compile_4bit, static_weight_shapes=config.static_weight_shapes,
             lora_kernels=device.type == "cuda", fused_shrink=config.lora_fused_shrink,
+            lora_gemv_rows=config.lora_gemv_max_rows,
             expert_rows=config.moe_small_batch_max_rows if config.small_batch_kernels else 0))
         backend = config.attention_backend
         if backend == "auto":

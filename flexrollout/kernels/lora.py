@@ -49,9 +49,11 @@ MAX_RANK = 64
 MAX_MASKED_RANK = 128
 
 
-# Largest batch whose live-LoRA projections run the GEMV with the adapter folded in. The 64-row
-# tiles overflowed the H200's shared memory at Qwen3-4B's shapes (240 KiB asked, 227 KiB there;
-# bench at batch 64, 2026-12-04) and a 33-row bf16 case missed its tolerance.
+# Largest batch whose live-LoRA projections run the GEMV with the adapter folded in by default
+# (EngineConfig.lora_gemv_max_rows, up to 64), and whose row-masked terms (`Kernels.lora_rows`)
+# fold at all. On 2026-12-04 the 64-row tiles overflowed the H200's shared memory at Qwen3-4B's
+# shapes (240 KiB asked, 227 KiB there) and a 33-row bf16 case missed its tolerance; today's
+# kernel compiles within 224 KiB at 64 rows (tests/test_lora_kernels.py's Hopper check).
 MAX_ROWS = 32
 
 

@@ -33,9 +33,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# Largest batch the engine gives the kernel (row tiles of 16 or 32; `launch` also takes up to 64
-# rows, for benchmarks); larger ones go to cuBLAS, which is on par from M = 64 on. The engine's threshold is EngineConfig.small_batch_max_rows.
+# Largest batch the engine gives the kernel for plain projections (row tiles of 16 or 32); larger
+# ones go to cuBLAS, which is on par from M = 64 on. The engine's threshold is
+# EngineConfig.small_batch_max_rows.
 MAX_ROWS = 32
+# Largest batch one launch takes (a 64-row tile): live-LoRA projections up to
+# EngineConfig.lora_gemv_max_rows, where the adapter folded into the launch saves cuBLAS's
+# separate shrink and expand launches.
+LAUNCH_MAX_ROWS = 64
 # Every supported weight's input width is a multiple of this (the smallest K step used).
 BLOCK_K = 128
 BLOCK_N = 64
@@ -92,7 +97,7 @@ def tiling(m: int, n_total: int, k: int, silu_mul: bool, dtype: torch.dtype) -> 
     if silu_mul:
         # 17..32 rows of 16-bit weights: 128-row blocks and 8 warps (3.56 against 3.25 TB/s).
         # fp32 tiles of that size overflow shared memory.
-        # (33..64 rows, benchmarks only: 64-row blocks, whose three-stage tiles fit at 64 rows.)
+        # (33..64 rows, live LoRA only: 64-row blocks, whose three-stage tiles fit at 64 rows.)
         wide = 16 < m <= 32 and dtype != torch.float32
         return Tiling(block_n=128 if wide else BLOCK_N, warps=8 if wide else 4, stages=3)
     long_k = _long_k_tiling(m, n_total, k, dtype)

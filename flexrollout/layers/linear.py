@@ -40,8 +40,8 @@ class Kernels:
     """How this step's projections run: the small-batch GEMV kernel (`small`: the batch has at
     most its row limit; `pdl`: launched with programmatic dependent launch), and the q/k/v
     epilogue kernel after the projections in decode, and the grouped GEMV of small MoE steps.
-    `lora_small`: projections with a live adapter run the GEMV with the adapter folded in, at
-    up to `lora_kernels.MAX_ROWS` rows; `lora_expand`: past those rows they run cuBLAS, the
+    `lora_small`: projections with a live adapter run the GEMV with the adapter folded in (the
+    engine sets it for steps of up to `EngineConfig.lora_gemv_max_rows` rows); `lora_expand`: past those rows they run cuBLAS, the
     shrink and the expand kernel. `lora_rows`: in steps with LoRARequest rows, a projection
     whose one adapter term is masked by rows (the adapter table's stacked term, or a live
     adapter off the request rows) takes those kernels too, the mask applied to the shrink's
@@ -187,7 +187,7 @@ def _on_gemv(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bo
     adapted = any(_adapter_of(p) is not None for p in projections)
     if not adapted:
         return kernels.small            # (the engine turns it on only where every weight fits)
-    rows_fit = kernels.small or (kernels.lora_small and x.shape[0] <= lora_kernels.MAX_ROWS)
+    rows_fit = kernels.small or (kernels.lora_small and x.shape[0] <= gemv.LAUNCH_MAX_ROWS)
     # An adapted LM head is not covered by the engine's check of the layers' weights.
     return rows_fit and (not x.is_cuda or all(gemv.weight_supported(p.weight) for p in projections))
 

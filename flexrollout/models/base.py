@@ -61,6 +61,7 @@ class ForwardOptions:
     static_weight_shapes: bool = True   # False: layer functions trace weight shapes as symbols
     lora_kernels: bool = False      # live adapters take the LoRA kernels (CUDA)
     fused_shrink: bool = True       # the GEMV computes live adapters' s A x in its own launch
+    lora_gemv_rows: int = LORA_MAX_ROWS   # live-LoRA projections run the GEMV up to this many rows
     # torch.compile backend of the layer functions; analysis and tests count dynamo's compiles
     # with "eager" (dynamo's guards decide recompiles, not the backend), which is fast on CPU,
     # or pass a backend function that reads the traced graphs.
@@ -296,11 +297,13 @@ class DecoderForward:
         # The live-LoRA kernels run where the GEMV's do (CUDA, small_batch_kernels on): the
         # folded GEMV up to its rows, cuBLAS plus one expand per adapter past them.
         lora_kernels = self.options.lora_kernels and self.options.small_rows > 0
-        lora_small = lora_kernels and input_ids.shape[0] <= LORA_MAX_ROWS
+        rows = input_ids.shape[0]
+        lora_small = lora_kernels and rows <= self.options.lora_gemv_rows
         kernels = Kernels(small=small, pdl=self.options.gemv_pdl, epilogue=self.options.qkv_epilogue,
                           expert_rows=self.options.expert_rows if input_ids.is_cuda else 0,
                           lora_small=lora_small, lora_expand=lora_kernels and not lora_small,
-                          lora_rows=lora_small and self.options.lora_rows,
+                          # (row-masked terms: the fold measured at up to 32 rows only)
+                          lora_rows=lora_small and rows <= LORA_MAX_ROWS and self.options.lora_rows,
                           quant_small=input_ids.shape[0] <= self.options.quant_rows,
                           fused_shrink=self.options.fused_shrink)
         return Step(meta, cache, rope, kernels, {})
