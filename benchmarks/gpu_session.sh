@@ -59,6 +59,8 @@
 #   eighth : the fused shrink's GEMV and fp32 graph tests, Qwen3-4B decode base / live r=32, live r=32
 #            at batch 64 through the GEMV (lora_gemv_max_rows 64), where Gemma-4-E2B's batch-1 step
 #            goes, live r=32 with the separate shrink launch
+#   ninth : the live-LoRA GEMV at 17-64 rows after launches past shared memory retry shallower (its
+#           GPU tests), Qwen3-4B decode at 32 / 64 base and live r=32, live r=32 at 64 through the GEMV
 #   models : (carry .whl with fla) where Gemma-4-E2B's batch-1 step goes (profile), Qwen3.5-4B decode
 #            1 / 8 / 64 against HF, Gemma-4-26B-A4B decode 1 / 8
 #   fused : live LoRA with the shrink fused into the GEMV launch: its GPU tests, Qwen3-4B decode
@@ -331,6 +333,15 @@ eighth)
   bench 80 $q4b --batch-sizes 1,8 --lora-rank 32 --engine-args '{"lora_fused_shrink": false}' | tail -4 \
     > "$out/separate.txt"
   names="gpu tests base live gemv64 e2b_profile separate" ;;
+ninth)
+  gputest 150 tests/test_lora_fused_gpu.py \
+    -k "folded_gemv and (32-16 or 32-64 or 33-16 or 33-64 or 64-16 or 64-64) and not 300" | tail -6 > "$out/tests.txt"
+  q4b="--preset qwen3-4b --workload decode"
+  bench 90 $q4b --batch-sizes 32,64 | tail -4 > "$out/base.txt"
+  bench 90 $q4b --batch-sizes 32,64 --lora-rank 32 | tail -4 > "$out/live.txt"
+  bench 90 $q4b --batch-sizes 64 --lora-rank 32 --engine-args '{"lora_gemv_max_rows": 64}' | tail -3 \
+    > "$out/gemv64.txt"
+  names="gpu tests base live gemv64" ;;
 models)
   timeout 150 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 2>&1 | filter | head -40 \
     > "$out/e2b_profile.txt"

@@ -28,10 +28,13 @@ start while the kernel before it drains, and waits (griddepcontrol.wait) before 
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 # Largest batch the engine gives the kernel for plain projections (row tiles of 16 or 32); larger
 # ones go to cuBLAS, which is on par from M = 64 on. The engine's threshold is
@@ -212,17 +215,46 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
     b_ptrs = [next((b for b in bs if b is not None), out) if b is None else b for b in bs]
     a_args = (la,) * 3 + (0.0,) * 3 + (0, la) if shrink is None else shrink.args
     programs = 0 if shrink is None else shrink.programs
-    _kernel()[(programs + sum(blocks), tile.split)](
-        x, w0, w0 if w1 is None else w1, w0 if w2 is None else w2, out, m, k, k // tile.split,
-        n0, n1, n2, blocks[0], blocks[1], x.stride(0), out.stride(0), out.stride(1),
-        la, *b_ptrs, *ranks, la.stride(0), la.stride(1), *a_args,
+    args = (x, w0, w0 if w1 is None else w1, w0 if w2 is None else w2, out, m, k, k // tile.split,
+            n0, n1, n2, blocks[0], blocks[1], x.stride(0), out.stride(0), out.stride(1),
+            la, *b_ptrs, *ranks, la.stride(0), la.stride(1), *a_args)
+    consts = dict(
         BLOCK_M=row_block(m), BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, SILU_MUL=silu_mul, IEEE=x.dtype == torch.float32, PDL=pdl,
         LORA=low_rank is not None, R=r_block, LA_SPLIT=la.shape[0] if low_rank is not None else 1,
         GELU=act == "gelu_tanh", SHRINK_PROGRAMS=programs,
-        SLOTS=1 if shrink is None else shrink.slots, PREFETCH_B=prefetch_b and low_rank is not None,
-        num_warps=tile.warps, num_stages=tile.stages, **extra)
+        SLOTS=1 if shrink is None else shrink.slots, PREFETCH_B=prefetch_b and low_rank is not None)
+    launch_fitting(_kernel(), (programs + sum(blocks), tile.split), args, consts, tile.warps,
+                   tile.stages, x.device, **extra)
     return out
+
+
+# (device, warps, constants) -> the pipeline depth that fit the device's shared memory.
+_FITTED_STAGES: dict[tuple, int] = {}
+
+
+def launch_fitting(kernel, grid, args: tuple, consts: dict, warps: int, stages: int,
+                   device: torch.device, **launch_options) -> None:
+    """Launch `kernel` with `stages` pipeline stages, or the deepest that fits the GPU's shared
+    memory. The tilings come from H200 sweeps; an adapter's tiles (B prefetched, the low-rank
+    dot) push some past Hopper's 227 KiB (gate/up at 17-32 rows: 232 KiB at r=16, H100,
+    2026-12-06), and smaller GPUs have less. Triton refuses such a variant before it runs, so
+    retrying shallower is safe; the depth found is kept per variant."""
+    from triton.runtime.errors import OutOfResources
+
+    key = (device, warps, *consts.items())
+    depth = _FITTED_STAGES.get(key, stages)
+    while True:
+        try:
+            kernel[grid](*args, **consts, num_warps=warps, num_stages=depth, **launch_options)
+            break
+        except OutOfResources:
+            if depth == 1:
+                raise
+            depth -= 1
+    if depth != stages and key not in _FITTED_STAGES:
+        logger.debug("small_linear %s: %d stages fit shared memory, not %d", consts, depth, stages)
+    _FITTED_STAGES[key] = depth
 
 
 class _FusedShrink:
