@@ -80,8 +80,9 @@ class EngineConfig:
     lora_fused_shrink: bool = True
     # Decode steps of up to this many rows run live-LoRA projections through the GEMV with the
     # adapter folded in (at most 64, one row tile); larger steps run cuBLAS, a shrink and an
-    # expand launch per projection. 32: the plain GEMV's own limit.
-    lora_gemv_max_rows: int = 32
+    # expand launch per projection. At 64 rows (Qwen3-4B, r=32, H100, one run) the GEMV decodes
+    # 8,522 tok/s against 7,680 for cuBLAS + expand, 0.84 against 0.75 of the base model.
+    lora_gemv_max_rows: int = 64
     # Projections over bitsandbytes 4-bit weights, in batches of at most 64 rows (decode), run
     # flexrollout's Triton 4-bit GEMV (kernels/gemv_4bit.py: packed nibbles and absmax read in
     # place, dequantised in registers) instead of bitsandbytes' own ops. Off: it measured 8-25x

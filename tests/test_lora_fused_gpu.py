@@ -56,7 +56,7 @@ def _relerr(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_folded_gemv_bf16_at_qwen3_4b_shapes(rank, rows, fused, gemv_rows):
     """q/k/v (v unadapted), gate/up with SiLU-mul, o and down as the engine calls them: within
     PEFT's own bf16 error of float64 (one rounding instead of PEFT's two). Up to the GEMV's LoRA
-    rows (32 by default, up to 64 with `lora_gemv_max_rows`) the GEMV with the adapter folded in
+    rows (`lora_gemv_max_rows`: 64 by default, 32 the other case here) the GEMV with the adapter folded in
     (s A x from its own first programs, or from a shrink launch); past them cuBLAS, the shrink
     and the expand kernel (`Kernels.lora_expand`)."""
     if rows > gemv_rows and not fused:

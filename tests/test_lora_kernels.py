@@ -279,7 +279,7 @@ def test_gated_act_and_linear_with_live_adapters(kernels):
 def test_lora_small_needs_an_adapter_and_the_row_limit():
     """Plain projections keep the cuBLAS path outside `small`; live-LoRA batches run the GEMV
     up to its one row tile (64 rows, `lora_gemv_max_rows`' ceiling) and the unfused path past
-    it (full outputs, not partials)."""
+    it (cuBLAS + expand: full outputs, not partials)."""
     torch.manual_seed(1)
     plain, adapted = _projection(64, 128, 0, 1.0), _projection(64, 128, 8, 1.0)
     x = torch.randn(4, 128)

@@ -41,8 +41,9 @@ class Kernels:
     most its row limit; `pdl`: launched with programmatic dependent launch), and the q/k/v
     epilogue kernel after the projections in decode, and the grouped GEMV of small MoE steps.
     `lora_small`: projections with a live adapter run the GEMV with the adapter folded in (the
-    engine sets it for steps of up to `EngineConfig.lora_gemv_max_rows` rows); `lora_expand`: past those rows they run cuBLAS, the
-    shrink and the expand kernel. `lora_rows`: in steps with LoRARequest rows, a projection
+    engine sets it for steps of up to `EngineConfig.lora_gemv_max_rows` rows), or, where the
+    GEMV cannot stream the weight, cuBLAS, the shrink and the expand kernel; `lora_expand`:
+    past those rows every adapted projection runs the latter. `lora_rows`: in steps with LoRARequest rows, a projection
     whose one adapter term is masked by rows (the adapter table's stacked term, or a live
     adapter off the request rows) takes those kernels too, the mask applied to the shrink's
     partials. `quant_small`: 4-bit projections run the Triton 4-bit GEMV where it takes the
@@ -205,13 +206,14 @@ def _on_gemv_4bit(x: torch.Tensor, projections: list[Linear], kernels: Kernels) 
 
 def _on_expand(projections: list[Linear], kernels: Kernels) -> bool:
     """These projections run W x (cuBLAS, or the 4-bit projection) + the expand kernel: a batch
-    past the GEMV whose adapters the kernels take, or 4-bit bases with adapters (QLoRA) at any
-    batch the LoRA kernels run, where the unfused path cast and applied each adapter alone."""
+    past the GEMV (or weights it cannot stream, such as gpt-oss's 2,880-wide inputs) whose
+    adapters the kernels take, or 4-bit bases with adapters (QLoRA) at any batch the LoRA
+    kernels run, where the unfused path cast and applied each adapter alone."""
     if not any(_adapter_of(p) is not None for p in projections):
         return False
     if any(p.quant is not None for p in projections):
         return _lora_kernels_take(projections, kernels)
-    return kernels.lora_expand and all(_fusable(p, kernels) for p in projections)
+    return (kernels.lora_expand or kernels.lora_small) and all(_fusable(p, kernels) for p in projections)
 
 
 def _lora_kernels_take(projections: list[Linear], kernels: Kernels) -> bool:

@@ -61,7 +61,7 @@ class ForwardOptions:
     static_weight_shapes: bool = True   # False: layer functions trace weight shapes as symbols
     lora_kernels: bool = False      # live adapters take the LoRA kernels (CUDA)
     fused_shrink: bool = True       # the GEMV computes live adapters' s A x in its own launch
-    lora_gemv_rows: int = LORA_MAX_ROWS   # live-LoRA projections run the GEMV up to this many rows
+    lora_gemv_rows: int = gemv.LAUNCH_MAX_ROWS   # live-LoRA projections run the GEMV up to these rows
     # torch.compile backend of the layer functions; analysis and tests count dynamo's compiles
     # with "eager" (dynamo's guards decide recompiles, not the backend), which is fast on CPU,
     # or pass a backend function that reads the traced graphs.
