@@ -301,7 +301,11 @@ _HOPPER_CHECK = textwrap.dedent("""
                       EMULATE=False, BLOCK_M=block_m, BLOCK_N=gemv_4bit.BLOCK_N,
                       LORA=block_m == 64, R=128, LA_SPLIT=4)     # QLoRA folded in at 64-row tiles
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-        src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+        # Specialised as a real launch is (pointers and sizes divisible by 16), without which
+        # Triton does not pipeline with async copies and shared memory reads low.
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if sig[n].startswith("*") or sig[n] == "i32"}
+        src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                 options={"num_warps": 4, "num_stages": gemv_4bit.pipeline_stages(blocksize)})
         assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared

@@ -10,10 +10,10 @@ instance; only which fields are present specialises).
 
 Live LoRA (one adapter per projection, no LoRARequest rows) runs at nearly the base model's
 launch count: the adapters of projections that share an input (q/k/v, gate/up) get one shrink
-launch (`kernels.lora`: s * A x over PEFT's fp32 A, in place), and
-up to the GEMV's row limit (`Kernels.small`) the GEMV adds B (s A x) to its fp32 sums, so q/k/v
-stay one launch feeding the q/k/v epilogue and gate/up one launch with SiLU-mul. Larger CUDA
-batches (`Kernels.lora_expand`: big decode batches, prefill) run cuBLAS for W x, the same one
+launch (`kernels.lora`: s * A x over PEFT's fp32 A, in place, or the GEMV launch's own first
+programs), and up to the live-LoRA row limit (`Kernels.lora_small`: 64 rows by default) the GEMV
+adds B (s A x) to its fp32 sums, so q/k/v stay one launch feeding the q/k/v epilogue and
+gate/up one launch with SiLU-mul. Larger CUDA batches (`Kernels.lora_expand`: prefill) run cuBLAS for W x, the same one
 shrink per group, and one expand launch per projection that adds B (s A x) and rounds once, where
 the unfused path casts PEFT's fp32 A and B every step and launches five kernels per projection.
 4-bit bases with adapters (QLoRA) take the same shrink, then the expand around their 4-bit
@@ -43,10 +43,10 @@ class Kernels:
     `lora_small`: projections with a live adapter run the GEMV with the adapter folded in (the
     engine sets it for steps of up to `EngineConfig.lora_gemv_max_rows` rows), or, where the
     GEMV cannot stream the weight, cuBLAS, the shrink and the expand kernel; `lora_expand`:
-    past those rows every adapted projection runs the latter. `lora_rows`: in steps with LoRARequest rows, a projection
-    whose one adapter term is masked by rows (the adapter table's stacked term, or a live
-    adapter off the request rows) takes those kernels too, the mask applied to the shrink's
-    partials. `quant_small`: 4-bit projections run the Triton 4-bit GEMV where it takes the
+    past those rows every adapted projection runs the latter. `lora_rows`: in steps with
+    LoRARequest rows, a projection whose one adapter term is masked by rows (the adapter
+    table's stacked term, or a live adapter off the request rows) takes those kernels too, the
+    mask applied to the shrink's partials. `quant_small`: 4-bit projections run the Triton 4-bit GEMV where it takes the
     batch (`kernels.gemv_4bit.takes`), else bitsandbytes' ops."""
 
     small: bool = False
