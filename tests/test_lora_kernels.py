@@ -278,8 +278,8 @@ def test_gated_act_and_linear_with_live_adapters(kernels):
 
 def test_lora_small_needs_an_adapter_and_the_row_limit():
     """Plain projections keep the cuBLAS path outside `small`; live-LoRA batches run the GEMV
-    up to its one row tile (64 rows, `lora_gemv_max_rows`' ceiling) and the unfused path past
-    it (cuBLAS + expand: full outputs, not partials)."""
+    up to its one row tile (64 rows, `lora_gemv_max_rows`' ceiling) and cuBLAS + shrink +
+    expand past it (full outputs, not partials)."""
     torch.manual_seed(1)
     plain, adapted = _projection(64, 128, 0, 1.0), _projection(64, 128, 8, 1.0)
     x = torch.randn(4, 128)
@@ -483,5 +483,7 @@ def test_launches_past_shared_memory_retry_shallower_and_remember():
     for _ in range(2):
         sl.launch_fitting(kernel, (4, 1), (), consts, 8, 3, torch.device("cpu"))
     assert kernel.asked == [3, 2, 2]            # the depth that fit is kept for the variant
+    sl.launch_fitting(kernel, (4, 1), (), consts, 8, 1, torch.device("cpu"))
+    assert kernel.asked[-1] == 1                # never deeper than a launch asks
     with pytest.raises(Exception, match="shared memory"):
         sl.launch_fitting(_ShallowOnly(fits=0), (4, 1), (), {"BLOCK_M": 32}, 8, 3, torch.device("cpu"))

@@ -229,7 +229,8 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
     return out
 
 
-# (device, warps, constants) -> the pipeline depth that fit the device's shared memory.
+# (device, warps, asked depth, constants) -> the pipeline depth that fit the device's shared
+# memory. (Tilings with the same constants may ask different depths: the depth is in the key.)
 _FITTED_STAGES: dict[tuple, int] = {}
 
 
@@ -242,7 +243,7 @@ def launch_fitting(kernel, grid, args: tuple, consts: dict, warps: int, stages: 
     retrying shallower is safe; the depth found is kept per variant."""
     from triton.runtime.errors import OutOfResources
 
-    key = (device, warps, *consts.items())
+    key = (device, warps, stages, *consts.items())
     depth = _FITTED_STAGES.get(key, stages)
     while True:
         try:
