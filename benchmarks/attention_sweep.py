@@ -1,14 +1,16 @@
 """flex decode attention over the paged cache: block-mask layout and kernel options.
 
-Qwen3-4B's attention (32 query heads, 8 KV heads, head_dim 128, 128-token pages) at batch 1, 8
-and 64 with every row at the same context, run through the engine's own `paged_attention` and
+Qwen3-4B's attention (32 query heads, 8 KV heads, head_dim 128, 128-token pages; `--shape` and
+`--window` set others, e.g. Gemma-4-E2B's 8,1,256 sliding over 512 and 8,1,512 full) at batch 1,
+8 and 64 with every row at the same context, run through the engine's own `paged_attention` and
 mask builder, from CUDA-graph replays over 8 layers' caches (so L2 does not hold the KV).
 Prints microseconds per layer and the KV read rate, for the engine's mask (earlier pages as
 full blocks) against the same mask with every page partial (mask_mod evaluated everywhere),
 and for several flex kernel options. (`{}` is flex's default: on an H200, BLOCK_N 64, one
 stage, two warps; the engine's own choice is `decode_kernel_options`.)
 
-    python benchmarks/attention_sweep.py [--context 256] [--batches 1,8] [--options JSON] [OUT.json]
+    python benchmarks/attention_sweep.py [--context 256] [--batches 1,8] [--options JSON]
+        [--shape HEADS,KV_HEADS,HEAD_DIM] [--window W] [OUT.json]
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexrollout.attention.flex import AttentionMetadata, paged_attention
 from flexrollout.attention.masks import Q_BLOCK, decode_block_mask
+from flexrollout.spec import LayerSpec
 from gemv_sweep import graph_seconds   # benchmarks/ is on sys.path when run as a script
 
-HQ, HKV, D, PAGE, LAYERS, MAX_PAGES = 32, 8, 128, 128, 8, 16
+PAGE, LAYERS, MAX_PAGES = 128, 8, 16
 OPTIONS = [{}, {"num_stages": 2}, {"num_stages": 3}, {"num_stages": 3, "num_warps": 4},
            {"BLOCK_N": 128, "num_stages": 3, "num_warps": 4}]
 
@@ -43,16 +46,20 @@ def main() -> None:
     parser.add_argument("--options", default=None,
                         help='JSON list of option dicts to try instead of OPTIONS, e.g. \'[{"SPLIT_KV": 2}]\'')
     parser.add_argument("--no-partial", action="store_true", help="skip the all-partial mask variants")
+    parser.add_argument("--shape", default="32,8,128", help="query heads, KV heads, head_dim")
+    parser.add_argument("--window", type=int, default=None, help="sliding window in tokens")
     parser.add_argument("out", nargs="?", default="/tmp/attention.json")
     args = parser.parse_args()
     options = json.loads(args.options) if args.options else OPTIONS
+    heads, kv_heads, head_dim = (int(n) for n in args.shape.split(","))
+    spec = LayerSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, window=args.window)
     torch.manual_seed(0)
     results = {}
     for batch in (int(b) for b in args.batches.split(",")):
         pages_per_row = -(-args.context // PAGE)
         num_pages = batch * pages_per_row + 1
-        caches = [(torch.randn(1, HKV, num_pages * PAGE, D, device="cuda", dtype=torch.bfloat16),
-                   torch.randn(1, HKV, num_pages * PAGE, D, device="cuda", dtype=torch.bfloat16))
+        caches = [(torch.randn(1, kv_heads, num_pages * PAGE, head_dim, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(1, kv_heads, num_pages * PAGE, head_dim, device="cuda", dtype=torch.bfloat16))
                   for _ in range(LAYERS)]
         order = torch.randperm(num_pages - 1, device="cuda").int() + 1      # page 0: padding
         rows = torch.zeros(batch, MAX_PAGES, dtype=torch.int32, device="cuda")
@@ -61,20 +68,20 @@ def main() -> None:
         page_logical[rows[:, :pages_per_row].flatten().long()] = torch.arange(
             pages_per_row, device="cuda").repeat(batch)
         positions = torch.full((batch,), args.context - 1, device="cuda")
-        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
         full = decode_block_mask(rows, positions // PAGE + 1, positions, page_logical, PAGE,
-                                 HQ // HKV, num_pages * PAGE)
-        kv_gb = batch * args.context * HKV * D * 2 * 2 / 1e9
+                                 spec.group, num_pages * PAGE, args.window)
+        kv_gb = batch * min(args.context, args.window or args.context) * kv_heads * head_dim * 4 / 1e9
         variants = [("full+partial", full, o) for o in options]
-        if not args.no_partial:
+        if not args.no_partial and args.window is None:    # windowed pages are all partial
             variants += [("all partial", all_partial(full), o) for o in ({}, {"num_stages": 3})]
         for layout, block_mask, opts in variants:
-            meta = AttentionMetadata(positions, positions, decode=True, block_masks={None: block_mask},
+            meta = AttentionMetadata(positions, positions, decode=True, block_masks={spec.mask_key: block_mask},
                                      kernel_options=dict(opts))
 
             def layers():
                 for k, v in caches:
-                    paged_attention(q, k, v, meta, D ** -0.5)
+                    paged_attention(q, k, v, meta, spec)
             try:
                 seconds = graph_seconds(layers) / LAYERS
             except Exception as exc:   # an option set flex rejects is reported, not fatal
@@ -84,24 +91,25 @@ def main() -> None:
             results[key] = {"us_per_layer": round(seconds * 1e6, 2),
                             "kv_GBs": round(kv_gb / seconds)}
             print(key, results[key], flush=True)
-        check(q, caches[0], rows, pages_per_row, args.context, full)
+        check(q, caches[0], rows, pages_per_row, args.context, full, spec)
         del caches
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 
 
-def check(q, cache, rows, pages_per_row, context, mask) -> None:
-    """The full-block mask's output against dense attention over each row's own pages."""
+def check(q, cache, rows, pages_per_row, context, mask, spec: LayerSpec) -> None:
+    """The engine mask's output against dense attention over each row's own pages (those in
+    the window, with one)."""
     k_cache, v_cache = cache
     positions = torch.full((q.shape[0],), context - 1, device="cuda")
-    meta = AttentionMetadata(positions, positions, decode=True, block_masks={None: mask})
-    got = paged_attention(q, k_cache, v_cache, meta, D ** -0.5).float()
+    meta = AttentionMetadata(positions, positions, decode=True, block_masks={spec.mask_key: mask})
+    got = paged_attention(q, k_cache, v_cache, meta, spec).float()
     slots = (rows[:, :pages_per_row, None].long() * PAGE + torch.arange(PAGE, device="cuda")).flatten(1)
-    slots = slots[:, :context]
+    slots = slots[:, max(0, context - (spec.window or context)):context]
     k = k_cache[0][:, slots].float()                          # (Hkv, B, L, D)
     v = v_cache[0][:, slots].float()
-    q5 = q.float().view(q.shape[0], HKV, HQ // HKV, D)
-    scores = torch.einsum("bhgd,hbld->bhgl", q5, k) * D ** -0.5
+    q5 = q.float().view(q.shape[0], spec.num_kv_heads, spec.group, spec.head_dim)
+    scores = torch.einsum("bhgd,hbld->bhgl", q5, k) * spec.attention_scale
     ref = torch.einsum("bhgl,hbld->bhgd", scores.softmax(-1), v).reshape(q.shape[0], -1)
     err = ((got - ref).norm() / ref.norm()).item()
     print(f"check bs{q.shape[0]}: relative error {err:.2e}", flush=True)

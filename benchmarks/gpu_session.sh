@@ -66,6 +66,11 @@
 #   fused : live LoRA with the shrink fused into the GEMV launch: its GPU tests, Qwen3-4B decode
 #           1 / 8 / 64 base, live r=32, and live r=32 with the separate shrink launch, then
 #           lora_sweep.py (the fused launch at several K slices, B prefetched or not)
+#   tenth : where Gemma-4-E2B's batch-1 step goes (profile, 290 s alone), flex decode at E2B's
+#           attention shapes (head_dim 256 sliding, 512 full, one KV head) against Qwen3-4B's
+#   eleventh : (carry .whl with fla) Qwen3.5-4B decode 1 / 8 / 64 against HF, Gemma-4-26B-A4B 1 / 8
+#   twelfth : (carry .whl with fla) Qwen3.5-4B decode 1 / 8 / 64 against HF, Qwen3-4B's batch-1
+#             decode profile without and with a live r=32 adapter on all seven projections
 #   gemma_startup : Gemma-4-E2B decode 1 / 8 / 64 from cold compile caches with weight shapes traced
 #                   as constants (default) and as symbols (static_weight_shapes=False: 20 -> 11
 #                   compiles at 10 layers on CPU): start-up against tok/s
@@ -350,5 +355,26 @@ models)
   bench 200 --preset gemma-4-26b-a4b --batch-sizes 1,8 --workload decode --gpu-memory-utilization 0.9 \
     | tail -4 > "$out/gemma26b.txt"
   names="gpu e2b_profile qwen35 gemma26b" ;;
+tenth)
+  timeout 290 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 2>&1 | tee -a "$out/full.log" \
+    | filter | tail -30 > "$out/e2b_profile.txt"
+  for shape in "8,1,256 --window 512" "8,1,512" "32,8,128"; do
+    echo "== $shape"
+    timeout 60 python3 benchmarks/attention_sweep.py --batches 1,8 --no-partial --shape $shape \
+      --options '[{}, {"num_stages": 1}, {"num_stages": 2, "BLOCK_N": 32}]' "$out/attn.json" 2>&1 | filter
+  done > "$out/attention.txt"
+  names="gpu e2b_profile attention" ;;
+eleventh)
+  bench 260 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
+    | tail -6 > "$out/qwen35.txt"
+  bench 300 --preset gemma-4-26b-a4b --batch-sizes 1,8 --workload decode --gpu-memory-utilization 0.9 \
+    | tail -4 > "$out/gemma26b.txt"
+  names="gpu qwen35 gemma26b" ;;
+twelfth)
+  bench 260 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
+    | tail -6 > "$out/qwen35.txt"
+  for rank in 0 32; do timeout 100 python3 benchmarks/profile_decode.py --preset qwen3-4b --batch 1 \
+    --lora-rank $rank 2>&1 | filter | tail -24; done > "$out/lora_profile.txt"
+  names="gpu qwen35 lora_profile" ;;
 esac
 for f in $names; do echo "== $f"; cat "$out/$f.txt"; done
