@@ -79,40 +79,8 @@ def slot_count(a0, a1, a2) -> int:
 
 @functools.cache
 def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def lora_shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, M, K, K_PER, R0, R1, R2,
-                           s0, s1, s2, stride_xm, stride_split, stride_om,
-                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr,
-                           IEEE: tl.constexpr, PDL: tl.constexpr):
-        slot = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)
-        if slot == 0:
-            a_ptr, rank, scale = a0_ptr, R0, s0
-        elif slot == 1:
-            a_ptr, rank, scale = a1_ptr, R1, s1
-        else:
-            a_ptr, rank, scale = a2_ptr, R2, s2
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_r = tl.arange(0, R)
-        precision: tl.constexpr = "ieee" if IEEE else "tf32"
-        if PDL:
-            # Launched early (PDL): x is the previous kernel's output; wait until it is written.
-            tl.extra.cuda.gdc_wait()
-        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-        for k in range(0, K_PER, BLOCK_K):
-            offs_k = pid_k * K_PER + k + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-            # A (rank, K) in its own dtype (PEFT's fp32): converted here, not copied per step.
-            a = tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :],
-                        mask=(offs_r[:, None] < rank) & (offs_k[None, :] < K), other=0.0)
-            acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision=precision)
-        out = out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + slot * R + offs_r[None, :]
-        tl.store(out, acc * scale, mask=offs_m[:, None] < M)
+    """The shrink kernel (its module imports Triton: only when a kernel first runs)."""
+    from .small_linear_jit import lora_shrink_kernel
 
     return lora_shrink_kernel
 

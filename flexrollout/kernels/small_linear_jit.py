@@ -1,9 +1,59 @@
-"""The Triton kernel of `small_linear` (imported only when the kernel first runs, so importing
-flexrollout never needs Triton). Its programs are of two kinds: the first `SHRINK_PROGRAMS`
-compute live adapters' s A x (the fused shrink), the others one output block of one K slice of
-the GEMV each."""
+"""The Triton kernel of `small_linear` and the live-LoRA shrink (imported only when a kernel first
+runs, so importing flexrollout never needs Triton). The GEMV's programs are of two kinds: the
+first `SHRINK_PROGRAMS` compute live adapters' s A x (the fused shrink), the others one output
+block of one K slice of the GEMV each. The separate shrink launch (`kernels/lora.py`, for steps
+whose GEMV takes no fused shrink) shares the fused one's tile loop, `shrink_tile`."""
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def shrink_tile(x_ptr, a_ptr, rank, offs_m, M, K, k_start, K_LEN, stride_xm,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr,
+                precision: tl.constexpr):
+    """x[offs_m, k_start:k_start + K_LEN] A[:rank, same columns]^T as an fp32 (BLOCK_M, R) tile
+    (rows past M and columns past `rank` zero): one K slice of an adapter's A x, for the fused
+    shrink below and the separate shrink kernel (kernels/lora.py)."""
+    offs_r = tl.arange(0, R)
+    acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+    # Two stages whatever the GEMV's pipeline depth: (R, BLOCK_K) fp32 tiles of A are large.
+    for k in tl.range(0, K_LEN, BLOCK_K, num_stages=2):
+        offs_k = k_start + k + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+        # A (rank, K) in its own dtype (PEFT's fp32): converted here, never copied.
+        a = tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :],
+                    mask=(offs_r[:, None] < rank) & (offs_k[None, :] < K), other=0.0)
+        acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision=precision)
+    return acc
+
+
+@triton.jit
+def lora_shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, M, K, K_PER, R0, R1, R2,
+                       s0, s1, s2, stride_xm, stride_split, stride_om,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr,
+                       IEEE: tl.constexpr, PDL: tl.constexpr):
+    """The separate shrink launch (kernels/lora.py): program (slot, K slice, row block) stores
+    its fp32 partial of s A x for the adapter of that slot."""
+    slot = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    if slot == 0:
+        a_ptr, rank, scale = a0_ptr, R0, s0
+    elif slot == 1:
+        a_ptr, rank, scale = a1_ptr, R1, s1
+    else:
+        a_ptr, rank, scale = a2_ptr, R2, s2
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, R)
+    precision: tl.constexpr = "ieee" if IEEE else "tf32"
+    if PDL:
+        # Launched early (PDL): x is the previous kernel's output; wait until it is written.
+        tl.extra.cuda.gdc_wait()
+    acc = shrink_tile(x_ptr, a_ptr, rank, offs_m, M, K, pid_k * K_PER, K_PER, stride_xm,
+                      BLOCK_M, BLOCK_K, R, precision)
+    out = out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + slot * R + offs_r[None, :]
+    tl.store(out, acc * scale, mask=offs_m[:, None] < M)
 
 
 @triton.jit
@@ -23,16 +73,8 @@ def _shrink_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, s0, s1, s2, la_ptr, sync_ptr, M
         a_ptr, rank, scale = a2_ptr, R2, s2
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, R)
-    acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-    # Two stages whatever the GEMV's pipeline depth: (R, BLOCK_K) fp32 tiles of A are large.
-    for k in tl.range(0, K_SHRINK, BLOCK_K, num_stages=2):
-        offs_k = part * K_SHRINK + k + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-        # A (rank, K) in its own dtype (PEFT's fp32): converted here, never copied.
-        a = tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :],
-                    mask=(offs_r[:, None] < rank) & (offs_k[None, :] < K), other=0.0)
-        acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision=precision)
+    acc = shrink_tile(x_ptr, a_ptr, rank, offs_m, M, K, part * K_SHRINK, K_SHRINK, stride_xm,
+                      BLOCK_M, BLOCK_K, R, precision)
     tl.store(la_ptr + part * stride_la_split + offs_m[:, None] * stride_la_m + slot * R
              + offs_r[None, :], acc * scale, mask=offs_m[:, None] < M)
     # Every thread's stores, then one release: a consumer that sees the count sees them.
