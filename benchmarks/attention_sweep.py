@@ -30,6 +30,14 @@ OPTIONS = [{}, {"num_stages": 2}, {"num_stages": 3}, {"num_stages": 3, "num_warp
            {"BLOCK_N": 128, "num_stages": 3, "num_warps": 4}]
 
 
+def paged_cache(num_pages: int, kv_heads: int, head_dim: int, used: torch.Tensor) -> torch.Tensor:
+    """(1, kv_heads, num_pages * PAGE, head_dim), random on the `used` pages (the only ones read)."""
+    cache = torch.zeros(1, kv_heads, num_pages, PAGE, head_dim, device="cuda", dtype=torch.bfloat16)
+    cache[:, :, used] = torch.randn(1, kv_heads, used.numel(), PAGE, head_dim, device="cuda",
+                                    dtype=torch.bfloat16)
+    return cache.view(1, kv_heads, num_pages * PAGE, head_dim)
+
+
 def all_partial(mask: BlockMask) -> BlockMask:
     """The engine's mask before full blocks: every listed page partial."""
     rows = mask.full_kv_indices[:, 0, 0]
@@ -48,6 +56,9 @@ def main() -> None:
     parser.add_argument("--no-partial", action="store_true", help="skip the all-partial mask variants")
     parser.add_argument("--shape", default="32,8,128", help="query heads, KV heads, head_dim")
     parser.add_argument("--window", type=int, default=None, help="sliding window in tokens")
+    parser.add_argument("--cache-pages", type=int, default=0,
+                        help="pages in each layer's cache (default: just the batch's); the engine's "
+                             "cache holds far more, and flex sizes its KV splits by the cache's length")
     parser.add_argument("out", nargs="?", default="/tmp/attention.json")
     args = parser.parse_args()
     options = json.loads(args.options) if args.options else OPTIONS
@@ -57,13 +68,13 @@ def main() -> None:
     results = {}
     for batch in (int(b) for b in args.batches.split(",")):
         pages_per_row = -(-args.context // PAGE)
-        num_pages = batch * pages_per_row + 1
-        caches = [(torch.randn(1, kv_heads, num_pages * PAGE, head_dim, device="cuda", dtype=torch.bfloat16),
-                   torch.randn(1, kv_heads, num_pages * PAGE, head_dim, device="cuda", dtype=torch.bfloat16))
-                  for _ in range(LAYERS)]
+        num_pages = max(args.cache_pages, batch * pages_per_row + 1)
         order = torch.randperm(num_pages - 1, device="cuda").int() + 1      # page 0: padding
-        rows = torch.zeros(batch, MAX_PAGES, dtype=torch.int32, device="cuda")
-        rows[:, :pages_per_row] = order.view(batch, pages_per_row)
+        rows = torch.zeros(batch, max(MAX_PAGES, pages_per_row), dtype=torch.int32, device="cuda")
+        rows[:, :pages_per_row] = order[:batch * pages_per_row].view(batch, pages_per_row)
+        used = rows[:, :pages_per_row].flatten().long()
+        caches = [(paged_cache(num_pages, kv_heads, head_dim, used),
+                   paged_cache(num_pages, kv_heads, head_dim, used)) for _ in range(LAYERS)]
         page_logical = torch.zeros(num_pages, dtype=torch.long, device="cuda")
         page_logical[rows[:, :pages_per_row].flatten().long()] = torch.arange(
             pages_per_row, device="cuda").repeat(batch)

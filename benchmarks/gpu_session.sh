@@ -66,8 +66,9 @@
 #   fused : live LoRA with the shrink fused into the GEMV launch: its GPU tests, Qwen3-4B decode
 #           1 / 8 / 64 base, live r=32, and live r=32 with the separate shrink launch, then
 #           lora_sweep.py (the fused launch at several K slices, B prefetched or not)
-#   tenth : where Gemma-4-E2B's batch-1 step goes (profile, 290 s alone), flex decode at E2B's
-#           attention shapes (head_dim 256 sliding, 512 full, one KV head) against Qwen3-4B's
+#   tenth : where Gemma-4-E2B's batch-1 step goes (profile), flex decode over an engine-sized
+#           cache (flex splits the KV by the cache's length when a mask has full blocks) at E2B's
+#           shapes (head_dim 512 full, 256 sliding, one KV head) and Qwen3-4B's, contexts 384 / 2048
 #   eleventh : (carry .whl with fla) Qwen3.5-4B decode 1 / 8 / 64 against HF, Gemma-4-26B-A4B 1 / 8
 #   twelfth : (carry .whl with fla) Qwen3.5-4B decode 1 / 8 / 64 against HF, Qwen3-4B's batch-1
 #             decode profile without and with a live r=32 adapter on all seven projections
@@ -356,12 +357,13 @@ models)
     | tail -4 > "$out/gemma26b.txt"
   names="gpu e2b_profile qwen35 gemma26b" ;;
 tenth)
-  timeout 290 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 2>&1 | tee -a "$out/full.log" \
+  timeout 240 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 2>&1 | tee -a "$out/full.log" \
     | filter | tail -30 > "$out/e2b_profile.txt"
-  for shape in "8,1,256 --window 512" "8,1,512" "32,8,128"; do
+  for shape in "8,1,512 --context 384" "8,1,512 --context 2048" "8,1,256 --window 512 --context 2048" \
+               "32,8,128 --context 2048"; do
     echo "== $shape"
-    timeout 60 python3 benchmarks/attention_sweep.py --batches 1,8 --no-partial --shape $shape \
-      --options '[{}, {"num_stages": 1}, {"num_stages": 2, "BLOCK_N": 32}]' "$out/attn.json" 2>&1 | filter
+    timeout 70 python3 benchmarks/attention_sweep.py --batches 1,8 --cache-pages 4096 --options '[{}]' \
+      --shape $shape "$out/attn.json" 2>&1 | filter
   done > "$out/attention.txt"
   names="gpu e2b_profile attention" ;;
 eleventh)
