@@ -3,14 +3,15 @@
 Qwen3-4B's attention (32 query heads, 8 KV heads, head_dim 128, 128-token pages; `--shape` and
 `--window` set others, e.g. Gemma-4-E2B's 8,1,256 sliding over 512 and 8,1,512 full) at batch 1,
 8 and 64 with every row at the same context, run through the engine's own `paged_attention` and
-mask builder, from CUDA-graph replays over 8 layers' caches (so L2 does not hold the KV).
-Prints microseconds per layer and the KV read rate, for the engine's mask (earlier pages as
-full blocks) against the same mask with every page partial (mask_mod evaluated everywhere),
-and for several flex kernel options. (`{}` is flex's default: on an H200, BLOCK_N 64, one
+mask builder, from CUDA-graph replays over 8 layers' caches. Prints microseconds per layer and
+the KV read rate, for the mask with earlier pages as full blocks against every page partial
+(mask_mod evaluated everywhere: the engine's, `attention.masks.decode_block_mask` says why), and
+for several flex kernel options. `--cache-pages` sizes the caches like the engine's: flex splits
+full blocks by the cache's whole length. (`{}` is flex's default: on an H200, BLOCK_N 64, one
 stage, two warps; the engine's own choice is `decode_kernel_options`.)
 
     python benchmarks/attention_sweep.py [--context 256] [--batches 1,8] [--options JSON]
-        [--shape HEADS,KV_HEADS,HEAD_DIM] [--window W] [OUT.json]
+        [--shape HEADS,KV_HEADS,HEAD_DIM] [--window W] [--cache-pages N] [OUT.json]
 """
 from __future__ import annotations
 
@@ -18,10 +19,9 @@ import argparse
 import json
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask
 
 from flexrollout.attention.flex import AttentionMetadata, paged_attention
-from flexrollout.attention.masks import Q_BLOCK, decode_block_mask
+from flexrollout.attention.masks import decode_block_mask
 from flexrollout.spec import LayerSpec
 from gemv_sweep import graph_seconds   # benchmarks/ is on sys.path when run as a script
 
@@ -36,15 +36,6 @@ def paged_cache(num_pages: int, kv_heads: int, head_dim: int, used: torch.Tensor
     cache[:, :, used] = torch.randn(1, kv_heads, used.numel(), PAGE, head_dim, device="cuda",
                                     dtype=torch.bfloat16)
     return cache.view(1, kv_heads, num_pages * PAGE, head_dim)
-
-
-def all_partial(mask: BlockMask) -> BlockMask:
-    """The engine's mask before full blocks: every listed page partial."""
-    rows = mask.full_kv_indices[:, 0, 0]
-    num_pages = mask.full_kv_num_blocks[:, 0, 0] + 1
-    return BlockMask.from_kv_blocks(num_pages[:, None, None], rows[:, None, None, :],
-                                    BLOCK_SIZE=(Q_BLOCK, PAGE), mask_mod=mask.mask_mod,
-                                    seq_lengths=mask.seq_lengths, compute_q_blocks=False)
 
 
 def main() -> None:
@@ -81,11 +72,13 @@ def main() -> None:
         positions = torch.full((batch,), args.context - 1, device="cuda")
         q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
         full = decode_block_mask(rows, positions // PAGE + 1, positions, page_logical, PAGE,
-                                 spec.group, num_pages * PAGE, args.window)
+                                 spec.group, num_pages * PAGE, args.window, full_blocks=True)
         kv_gb = batch * min(args.context, args.window or args.context) * kv_heads * head_dim * 4 / 1e9
         variants = [("full+partial", full, o) for o in options]
         if not args.no_partial and args.window is None:    # windowed pages are all partial
-            variants += [("all partial", all_partial(full), o) for o in ({}, {"num_stages": 3})]
+            partial = decode_block_mask(rows, positions // PAGE + 1, positions, page_logical, PAGE,
+                                        spec.group, num_pages * PAGE)
+            variants += [("all partial", partial, o) for o in ({}, {"num_stages": 3})]
         for layout, block_mask, opts in variants:
             meta = AttentionMetadata(positions, positions, decode=True, block_masks={spec.mask_key: block_mask},
                                      kernel_options=dict(opts))
@@ -102,7 +95,9 @@ def main() -> None:
             results[key] = {"us_per_layer": round(seconds * 1e6, 2),
                             "kv_GBs": round(kv_gb / seconds)}
             print(key, results[key], flush=True)
-        check(q, caches[0], rows, pages_per_row, args.context, full, spec)
+        engine_mask = decode_block_mask(rows, positions // PAGE + 1, positions, page_logical, PAGE,
+                                        spec.group, num_pages * PAGE, args.window)
+        check(q, caches[0], rows, pages_per_row, args.context, engine_mask, spec)
         del caches
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -69,7 +69,9 @@
 #   tenth : where Gemma-4-E2B's batch-1 step goes (profile), flex decode over an engine-sized
 #           cache (flex splits the KV by the cache's length when a mask has full blocks) at E2B's
 #           shapes (head_dim 512 full, 256 sliding, one KV head) and Qwen3-4B's, contexts 384 / 2048
-#   eleventh : (carry .whl with fla) Qwen3.5-4B decode 1 / 8 / 64 against HF, Gemma-4-26B-A4B 1 / 8
+#   eleventh : (carry .ab_old) decode masks A/B at prompt 2048 + 256: full blocks always (the tree
+#              before, .ab_old) against full blocks only where flex's KV split is one; Qwen3-4B
+#              and Gemma-4-E2B 1 / 8, then the two masks in flex alone (attention_sweep.py)
 #   twelfth : (carry .whl with fla) Qwen3.5-4B decode 1 / 8 / 64 against HF, Qwen3-4B's batch-1
 #             decode profile without and with a live r=32 adapter on all seven projections
 #   gemma_startup : Gemma-4-E2B decode 1 / 8 / 64 from cold compile caches with weight shapes traced
@@ -367,11 +369,21 @@ tenth)
   done > "$out/attention.txt"
   names="gpu e2b_profile attention" ;;
 eleventh)
-  bench 260 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
-    | tail -6 > "$out/qwen35.txt"
-  bench 300 --preset gemma-4-26b-a4b --batch-sizes 1,8 --workload decode --gpu-memory-utilization 0.9 \
-    | tail -4 > "$out/gemma26b.txt"
-  names="gpu qwen35 gemma26b" ;;
+  # A/B of the decode masks (carry .ab_old: `git archive` of the commit before the change, run
+  # from inside it so its flexrollout/ is imported): full blocks always against full blocks only
+  # where the KV split is one, at prompt 2048 + 256.
+  for tree in .ab_old .; do
+    echo "== $tree"
+    ( cd "$tree" && export PYTHONPATH=$PWD:$PYTHONPATH
+      bench 100 --preset qwen3-4b --batch-sizes 1,8 --prompt-len 2048 | tail -4
+      bench 130 --preset gemma-4-e2b --batch-sizes 1,8 --prompt-len 2048 | tail -4 )
+  done > "$out/masks_ab.txt"
+  for shape in "8,1,512" "32,8,128"; do
+    echo "== $shape"
+    timeout 45 python3 benchmarks/attention_sweep.py --batches 1,8 --cache-pages 4096 --options '[{}]' \
+      --context 2048 --shape $shape "$out/attn.json" 2>&1 | filter
+  done > "$out/attention.txt"
+  names="gpu masks_ab attention" ;;
 twelfth)
   bench 260 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
     | tail -6 > "$out/qwen35.txt"

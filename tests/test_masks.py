@@ -30,13 +30,14 @@ def _expected_slots(rows, position: int, row: int, window: int | None) -> set[in
     return {int(rows[row, t // PAGE]) * PAGE + t % PAGE for t in range(first, position + 1)}
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_decode_mask_sees_exactly_each_rows_own_positions(window):
+@pytest.mark.parametrize(("window", "full_blocks"), [(None, True), (None, False), (6, True)])
+def test_decode_mask_sees_exactly_each_rows_own_positions(window, full_blocks):
     positions = [0, 3, 4, 9, 15, 17]            # page starts, page ends, a row on its first page
     rows, page_logical = _table(positions, max_pages=6, seed=len(positions))
     pos = torch.tensor(positions)
     kv_len = page_logical.numel() * PAGE
-    mask = decode_block_mask(rows, pos // PAGE + 1, pos, page_logical, PAGE, 1, kv_len, window)
+    mask = decode_block_mask(rows, pos // PAGE + 1, pos, page_logical, PAGE, 1, kv_len, window,
+                             full_blocks=full_blocks)
     slots, visible = dense_view(mask, decode=True)
     for r, p in enumerate(positions):
         seen = slots[r][visible[r]].tolist()
@@ -44,17 +45,31 @@ def test_decode_mask_sees_exactly_each_rows_own_positions(window):
         assert set(seen) == _expected_slots(rows, p, r, window), r
 
 
-def test_pages_before_the_last_are_full_blocks():
+def test_full_blocks_list_pages_before_the_last():
     positions = [0, 5, 11, 12]
     rows, page_logical = _table(positions, max_pages=5, seed=1)
     pos = torch.tensor(positions)
     mask = decode_block_mask(rows, pos // PAGE + 1, pos, page_logical, PAGE, 1,
-                             page_logical.numel() * PAGE)
+                             page_logical.numel() * PAGE, full_blocks=True)
     assert mask.full_kv_num_blocks[:, 0, 0].tolist() == [p // PAGE for p in positions]
     assert mask.kv_num_blocks[:, 0, 0].tolist() == [1] * len(positions)
     for r, p in enumerate(positions):
         assert int(mask.kv_indices[r, 0, 0, 0]) == int(rows[r, p // PAGE])      # the partial page
         assert mask.full_kv_indices[r, 0, 0, :p // PAGE].tolist() == rows[r, :p // PAGE].tolist()
+
+
+def test_decode_masks_list_every_page_as_partial():
+    """The engine's decode mask: no full blocks (flex would split those by the whole cache's
+    length), every page of the row partial, in logical order, for flex's even KV split."""
+    positions = [0, 5, 11, 12]
+    rows, page_logical = _table(positions, max_pages=5, seed=1)
+    pos = torch.tensor(positions)
+    mask = decode_block_mask(rows, pos // PAGE + 1, pos, page_logical, PAGE, 1,
+                             page_logical.numel() * PAGE)
+    assert mask.full_kv_num_blocks is None
+    assert mask.kv_num_blocks[:, 0, 0].tolist() == [p // PAGE + 1 for p in positions]
+    for r, p in enumerate(positions):
+        assert mask.kv_indices[r, 0, 0, :p // PAGE + 1].tolist() == rows[r, :p // PAGE + 1].tolist()
 
 
 def test_sliding_decode_mask_lists_only_pages_inside_the_window():

@@ -72,30 +72,41 @@ class AttentionMetadata:
         return self._dense[spec.window]
 
 
+def decode_split(batch: int, num_kv_heads: int, max_pages: int, device: torch.device) -> int:
+    """KV splits per (row, KV head) of flex's decode kernel: 2 x SMs / (batch x KV heads), at
+    least one, at most the pages one sequence can hold. flex cuts the listed partial blocks of
+    a row into SPLIT_KV even tiles (decode masks list no full blocks:
+    `attention.masks.decode_block_mask` says why)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(sms // max(batch * num_kv_heads, 1) * 2, max_pages))
+
+
 def decode_kernel_options(opts: dict | None, batch: int, num_kv_heads: int, max_pages: int,
-                          device: torch.device, head_bytes: int = 256) -> dict:
+                          device: torch.device, head_dim: int = 128, element_bytes: int = 2) -> dict:
     """flex decode's options, where the caller's (EngineConfig.flex_kernel_options) leave them.
 
-    SPLIT_KV is capped at the pages one sequence can hold: flex splits each row's KV into
-    SPLIT_KV tiles, by default 2 x SMs / (batch x kv heads) whatever the context, 32 at batch 1
-    on an H200. Each tile is a whole number of BLOCK_N keys of the row's own pages, so splits
-    beyond its page count run empty and still cost a launch slot and a share of the reduction
-    (0.5 ms of a 3.7 ms Qwen3-4B step at batch 1).
+    SPLIT_KV (`decode_split`) is capped at the pages one sequence can hold: flex splits each
+    row's KV into SPLIT_KV tiles, by default 2 x SMs / (batch x kv heads) whatever the context,
+    32 at batch 1 on an H200. Each tile is a whole number of BLOCK_N keys of the row's own pages,
+    so splits beyond its page count run empty and still cost a launch slot and a share of the
+    reduction (0.5 ms of a 3.7 ms Qwen3-4B step at batch 1).
 
     num_stages: flex's default on an H200 is one (no prefetch of the next KV block). Three cut
     a Qwen3-4B layer's decode attention at context 256 from 7.5 to 6.8 us at batch 1 and from
     16.1 to 13.6 us at batch 8; at batch 64, where the split is already 1, two are best
-    (25.8 -> 25.0 us). Measured with benchmarks/attention_sweep.py on an H200. Heads of more than
-    512 bytes (Gemma-4's full layers, 512 x bf16; Qwen3.5's 256 x fp32) keep flex's one stage:
-    three stages of their K and V blocks need 276 KB of shared memory, over the H200's 227 KB
-    (Inductor's "out of resource" at Qwen3.5's fp32 decode, seen on the H200).
+    (25.8 -> 25.0 us). Measured with benchmarks/attention_sweep.py on an H200. fp32 heads of more
+    than 128 (Qwen3.5's 256 in fp32 tests) keep flex's one stage: three stages need 276 KB of
+    shared memory, over the H200's 227 KB (Inductor's "out of resource"). 16-bit heads of 512
+    (Gemma-4's full layers) take three: one stage read a 2,048-token context at 17 GB/s, 244 us
+    per layer at batch 1, three at 278 GB/s, 15 us (H100, 2026-12-06). (A mask with full blocks
+    needs 280 KB at three stages there; decode masks list none.)
     """
     opts = dict(opts or {})
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = max(batch * num_kv_heads, 1)
     if "SPLIT_KV" not in opts:
-        opts["SPLIT_KV"] = max(1, min(sms // programs * 2, max_pages))
-    if head_bytes > 512:
+        opts["SPLIT_KV"] = decode_split(batch, num_kv_heads, max_pages, device)
+    if element_bytes > 2 and head_dim > 128:
         opts.setdefault("num_stages", 1)
     opts.setdefault("num_stages", 3 if programs <= 2 * sms else 2)
     return opts
@@ -123,7 +134,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q4 = q.view(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
         if q.is_cuda:
             opts = decode_kernel_options(opts, tokens, num_kv_heads, block_mask.kv_indices.shape[-1],
-                                         q.device, head_dim * q.element_size())
+                                         q.device, head_dim, q.element_size())
         out = flex(q4, k_cache, v_cache, block_mask=block_mask, scale=spec.attention_scale,
                    kernel_options=opts, return_lse=lse_wanted)
     else:

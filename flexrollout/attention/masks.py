@@ -38,15 +38,19 @@ def _paged_mask_mod(page_of, position_of, page_logical: torch.Tensor, page_size:
 
 def decode_block_mask(rows: torch.Tensor, num_pages: torch.Tensor, q_pos: torch.Tensor,
                       page_logical: torch.Tensor, page_size: int, q_len: int, kv_len: int,
-                      window: int | None = None) -> BlockMask:
+                      window: int | None = None, full_blocks: bool = False) -> BlockMask:
     """One query position per batch row b (q_len > 1 only when GQA groups are folded into it).
 
     rows: (B, max_pages) page table rows of the batch; num_pages: (B,) pages in use;
     q_pos: (B,) position of the token being decoded.
 
-    Without a window, every page before the last is whole and wholly visible, so it is listed
-    as a full block, which flex reads without evaluating mask_mod; only the last page is
-    partial (8-9% less attention time at batch 1 and 64 on the H200, benchmarks/attention_sweep.py).
+    Every listed page is a partial block (mask_mod evaluated), though all but a row's last are
+    wholly visible. flex cuts partial blocks into even KV splits of the listed pages, but full
+    blocks into splits of the cache's whole length, so in an engine-sized cache one program
+    reads all of a row's full pages. `full_blocks=True` (kept for benchmarks/attention_sweep.py)
+    lists them as full blocks; at a 2,048-token context, 4,096-page cache, H100, 2026-12-06, per
+    layer: Qwen3-4B's heads 35 / 40 / 183 us against 12 / 35 / 185 all partial at batch 1 / 8 /
+    64; Gemma-4's one 512-wide KV head 2,783 / 3,120 / 3,407 us against 15 / 26 / 113.
     With a window, only the pages the window reaches are listed (at most ceil(W / page) + 1), so
     a sliding layer's decode reads O(window), not O(context). mask_mod stays exact everywhere:
     the reference backend evaluates it on both lists.
@@ -61,6 +65,10 @@ def decode_block_mask(rows: torch.Tensor, num_pages: torch.Tensor, q_pos: torch.
         listed = rows.gather(1, (first[:, None] + offsets).clamp(max=rows.shape[1] - 1).long())
         return BlockMask.from_kv_blocks(
             (num_pages - first)[:, None, None], listed[:, None, None, :], BLOCK_SIZE=(Q_BLOCK, page_size),
+            mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=False)
+    if not full_blocks:      # the engine's
+        return BlockMask.from_kv_blocks(
+            num_pages[:, None, None], rows[:, None, None, :], BLOCK_SIZE=(Q_BLOCK, page_size),
             mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=False)
     last = rows.gather(1, (num_pages.long() - 1)[:, None])
     partial = torch.cat([last, rows[:, 1:]], dim=1)
