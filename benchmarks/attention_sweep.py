@@ -8,7 +8,8 @@ the KV read rate, for the mask with earlier pages as full blocks against every p
 (mask_mod evaluated everywhere: the engine's, `attention.masks.decode_block_mask` says why), and
 for several flex kernel options. `--cache-pages` sizes the caches like the engine's: flex splits
 full blocks by the cache's whole length. (`{}` is flex's default: on an H200, BLOCK_N 64, one
-stage, two warps; the engine's own choice is `decode_kernel_options`.)
+stage, two warps; the engine's own choice is `decode_kernel_options`. The full-block mask at
+head_dim 512 needs `{"num_stages": 1}`: at three it asks 280 KB of shared memory.)
 
     python benchmarks/attention_sweep.py [--context 256] [--batches 1,8] [--options JSON]
         [--shape HEADS,KV_HEADS,HEAD_DIM] [--window W] [--cache-pages N] [OUT.json]

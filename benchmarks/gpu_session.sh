@@ -66,12 +66,12 @@
 #   fused : live LoRA with the shrink fused into the GEMV launch: its GPU tests, Qwen3-4B decode
 #           1 / 8 / 64 base, live r=32, and live r=32 with the separate shrink launch, then
 #           lora_sweep.py (the fused launch at several K slices, B prefetched or not)
-#   tenth : where Gemma-4-E2B's batch-1 step goes (profile), flex decode over an engine-sized
-#           cache (flex splits the KV by the cache's length when a mask has full blocks) at E2B's
-#           shapes (head_dim 512 full, 256 sliding, one KV head) and Qwen3-4B's, contexts 384 / 2048
-#   eleventh : (carry .ab_old) decode masks A/B at prompt 2048 + 256: full blocks always (the tree
-#              before, .ab_old) against full blocks only where flex's KV split is one; Qwen3-4B
-#              and Gemma-4-E2B 1 / 8, then the two masks in flex alone (attention_sweep.py)
+#   tenth : where Gemma-4-E2B's batch-1 step goes now that its full layers' attention splits
+#           (profile), Gemma-4-26B-A4B decode 1 / 8
+#   eleventh : (carry .ab_old: `mkdir .ab_old && git archive COMMIT flexrollout | tar -x -C .ab_old`)
+#              an A/B at prompt 2048 + 256 of the tree in .ab_old against this one, Qwen3-4B and
+#              Gemma-4-E2B 1 / 8 (first run: decode masks with full blocks before f9b54ee), then
+#              full-block against all-partial masks in flex alone (attention_sweep.py)
 #   twelfth : (carry .whl with fla) Qwen3.5-4B decode 1 / 8 / 64 against HF, Qwen3-4B's batch-1
 #             decode profile without and with a live r=32 adapter on all seven projections
 #   gemma_startup : Gemma-4-E2B decode 1 / 8 / 64 from cold compile caches with weight shapes traced
@@ -361,17 +361,11 @@ models)
 tenth)
   timeout 240 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 2>&1 | tee -a "$out/full.log" \
     | filter | tail -30 > "$out/e2b_profile.txt"
-  for shape in "8,1,512 --context 384" "8,1,512 --context 2048" "8,1,256 --window 512 --context 2048" \
-               "32,8,128 --context 2048"; do
-    echo "== $shape"
-    timeout 70 python3 benchmarks/attention_sweep.py --batches 1,8 --cache-pages 4096 --options '[{}]' \
-      --shape $shape "$out/attn.json" 2>&1 | filter
-  done > "$out/attention.txt"
-  names="gpu e2b_profile attention" ;;
+  bench 300 --preset gemma-4-26b-a4b --batch-sizes 1,8 --workload decode --gpu-memory-utilization 0.9 \
+    | tail -4 > "$out/gemma26b.txt"
+  names="gpu e2b_profile gemma26b" ;;
 eleventh)
-  # A/B of the decode masks (carry .ab_old: `git archive` of the commit before the change, run
-  # from inside it so its flexrollout/ is imported): full blocks always against full blocks only
-  # where the KV split is one, at prompt 2048 + 256.
+  # The tree in .ab_old (run from inside it, so its flexrollout/ is imported) against this one.
   for tree in .ab_old .; do
     echo "== $tree"
     ( cd "$tree" && export PYTHONPATH=$PWD:$PYTHONPATH
