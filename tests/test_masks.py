@@ -86,3 +86,27 @@ def test_sliding_decode_mask_lists_only_pages_inside_the_window():
         listed = mask.kv_indices[r, 0, 0, :count].tolist()
         inside = sorted({int(rows[r, t // PAGE]) for t in range(max(0, p - window + 1), p + 1)})
         assert sorted(listed) == inside, r
+
+
+def test_decode_kernel_options_split_and_stages(monkeypatch):
+    """flex decode's options on a 132-SM card: the KV split fills the SMs up to the pages a row
+    can hold; three stages, except two past 2 x SMs programs and one for fp32 heads wider than
+    128 (three overflow shared memory there); 16-bit heads of 512 take three (no full blocks in
+    decode masks); options the caller sets are kept."""
+    from types import SimpleNamespace
+
+    from flexrollout.attention import flex
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(multi_processor_count=132))
+    dev = torch.device("cuda", 0)
+    assert flex.decode_split(1, 1, 32, dev) == 32
+    assert flex.decode_split(1, 8, 4, dev) == 4
+    assert flex.decode_split(8, 8, 32, dev) == 4
+    assert flex.decode_split(64, 8, 32, dev) == 1
+    assert flex.decode_kernel_options(None, 1, 1, 32, dev, 512, 2) == {"SPLIT_KV": 32, "num_stages": 3}
+    assert flex.decode_kernel_options(None, 1, 4, 32, dev, 256, 4)["num_stages"] == 1
+    assert flex.decode_kernel_options(None, 8, 8, 32, dev, 128, 4)["num_stages"] == 3
+    assert flex.decode_kernel_options(None, 64, 8, 32, dev, 128, 2) == {"SPLIT_KV": 1, "num_stages": 2}
+    mine = {"SPLIT_KV": 3, "num_stages": 2}
+    assert flex.decode_kernel_options(mine, 1, 1, 32, dev, 512, 2) == mine

@@ -29,6 +29,18 @@ def shrink_tile(x_ptr, a_ptr, rank, offs_m, M, K, k_start, K_LEN, stride_xm,
 
 
 @triton.jit
+def _slot_adapter(slot, a0_ptr, a1_ptr, a2_ptr, R0, R1, R2, s0, s1, s2):
+    """(A, rank, scaling) of the adapter in `slot` (0-2) of a shrink's group."""
+    if slot == 0:
+        a_ptr, rank, scale = a0_ptr, R0, s0
+    elif slot == 1:
+        a_ptr, rank, scale = a1_ptr, R1, s1
+    else:
+        a_ptr, rank, scale = a2_ptr, R2, s2
+    return a_ptr, rank, scale
+
+
+@triton.jit
 def lora_shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, M, K, K_PER, R0, R1, R2,
                        s0, s1, s2, stride_xm, stride_split, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr,
@@ -38,12 +50,7 @@ def lora_shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, M, K, K_PER, R0, 
     slot = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    if slot == 0:
-        a_ptr, rank, scale = a0_ptr, R0, s0
-    elif slot == 1:
-        a_ptr, rank, scale = a1_ptr, R1, s1
-    else:
-        a_ptr, rank, scale = a2_ptr, R2, s2
+    a_ptr, rank, scale = _slot_adapter(slot, a0_ptr, a1_ptr, a2_ptr, R0, R1, R2, s0, s1, s2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, R)
     precision: tl.constexpr = "ieee" if IEEE else "tf32"
@@ -65,12 +72,7 @@ def _shrink_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, s0, s1, s2, la_ptr, sync_ptr, M
     buffer; then this program counts itself done (`sync_ptr[0]`) for the consumers."""
     slot = tl.program_id(0) % SLOTS
     part = tl.program_id(0) // SLOTS
-    if slot == 0:
-        a_ptr, rank, scale = a0_ptr, R0, s0
-    elif slot == 1:
-        a_ptr, rank, scale = a1_ptr, R1, s1
-    else:
-        a_ptr, rank, scale = a2_ptr, R2, s2
+    a_ptr, rank, scale = _slot_adapter(slot, a0_ptr, a1_ptr, a2_ptr, R0, R1, R2, s0, s1, s2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, R)
     acc = shrink_tile(x_ptr, a_ptr, rank, offs_m, M, K, part * K_SHRINK, K_SHRINK, stride_xm,
