@@ -1,5 +1,5 @@
 """Decode block masks built from a page table: which KV slots each row sees, and which pages
-flex may read without evaluating mask_mod (full blocks)."""
+flex may read without evaluating mask_mod (full blocks); flex decode's kernel options."""
 from __future__ import annotations
 
 import pytest
@@ -110,3 +110,35 @@ def test_decode_kernel_options_split_and_stages(monkeypatch):
     assert flex.decode_kernel_options(None, 64, 8, 32, dev, 128, 2) == {"SPLIT_KV": 1, "num_stages": 2}
     mine = {"SPLIT_KV": 3, "num_stages": 2}
     assert flex.decode_kernel_options(mine, 1, 1, 32, dev, 512, 2) == mine
+
+
+def test_decode_compiles_shallower_where_inductor_runs_out_of_shared_memory(monkeypatch):
+    """A decode kernel Inductor cannot fit at the stages asked compiles with one fewer until it
+    fits, and later calls of that shape start from the depth that fit; other errors propagate."""
+    from torch._inductor.exc import InductorError
+
+    from flexrollout.attention import flex
+
+    monkeypatch.setattr(flex, "_FITTED_STAGES", {})
+    asked = []
+
+    def fake_flex(q, k, v, block_mask, scale, kernel_options, return_lse):
+        asked.append(kernel_options["num_stages"])
+        if kernel_options["num_stages"] > 1:
+            raise InductorError(RuntimeError("No valid triton configs. OutOfMemoryError: out of "
+                                             "resource: Required: 280576 Hardware limit:232448"), None)
+        return q
+
+    q = torch.randn(1, 1, 8, 512, dtype=torch.bfloat16)
+    opts = {"SPLIT_KV": 4, "num_stages": 3}
+    assert flex._decode_fitting(fake_flex, q, None, None, None, 1.0, opts, False) is q
+    assert asked == [3, 2, 1]
+    assert flex._decode_fitting(fake_flex, q, None, None, None, 1.0, opts, False) is q
+    assert asked == [3, 2, 1, 1]
+    assert opts == {"SPLIT_KV": 4, "num_stages": 3}       # the caller's options untouched
+
+    def broken(*args, **kwargs):
+        raise InductorError(RuntimeError("some other compile error"), None)
+
+    with pytest.raises(InductorError, match="some other"):
+        flex._decode_fitting(broken, q.float(), None, None, None, 1.0, opts, False)

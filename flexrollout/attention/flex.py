@@ -7,6 +7,7 @@ and flex's fused decode kernel sees no GQA at all.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,12 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from ..compile import compiled
 from ..spec import LayerSpec
 from .reference import dense_view, reference_attention
+
+logger = logging.getLogger(__name__)
+
+# Decode kernels Inductor could not fit in shared memory at the stages asked, by (head_dim, GQA
+# group, dtype, stages asked): the stages they compiled with instead (`_decode_fitting`).
+_FITTED_STAGES: dict[tuple, int] = {}
 
 
 # Two code objects, so the static (decode) and dynamic (prefill) compilations keep separate caches.
@@ -135,8 +142,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if q.is_cuda:
             opts = decode_kernel_options(opts, tokens, num_kv_heads, block_mask.kv_indices.shape[-1],
                                          q.device, head_dim, q.element_size())
-        out = flex(q4, k_cache, v_cache, block_mask=block_mask, scale=spec.attention_scale,
-                   kernel_options=opts, return_lse=lse_wanted)
+            out = _decode_fitting(flex, q4, k_cache, v_cache, block_mask, spec.attention_scale,
+                                  opts, lse_wanted)
+        else:
+            out = flex(q4, k_cache, v_cache, block_mask=block_mask, scale=spec.attention_scale,
+                       kernel_options=opts, return_lse=lse_wanted)
     else:
         # A packed prefill shorter than 128 tokens would otherwise be routed to flex's decode
         # kernel, whose BLOCK_M (next power of two of tokens x GQA group) can exceed the 128-row
@@ -155,3 +165,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if lse_wanted:
         out = out * torch.sigmoid(lse.reshape(tokens, num_heads).float() - sinks.float())[..., None].to(out.dtype)
     return out.reshape(tokens, num_heads * head_dim)
+
+
+def _decode_fitting(flex, q4, k_cache, v_cache, block_mask, scale, opts: dict, lse_wanted: bool):
+    """flex decode, compiled with one pipeline stage fewer each time Inductor finds the kernel
+    out of shared memory; the depth that fits is kept per (head_dim, group, dtype, depth asked).
+    `decode_kernel_options` picks depths measured to fit; this keeps a shape nobody measured (a
+    wider GQA group, another GPU) from stopping the engine. The first decode of a shape compiles
+    it in the graphs' warm-up, before any capture."""
+    from torch._inductor.exc import InductorError
+
+    key = (q4.shape[-1], q4.shape[-2], q4.dtype, opts.get("num_stages"))
+    if key in _FITTED_STAGES:
+        opts = {**opts, "num_stages": _FITTED_STAGES[key]}
+    while True:
+        try:
+            return flex(q4, k_cache, v_cache, block_mask=block_mask, scale=scale,
+                        kernel_options=opts, return_lse=lse_wanted)
+        except InductorError as err:
+            stages = opts.get("num_stages", 1)
+            if stages <= 1 or "out of resource" not in str(err):
+                raise
+            logger.warning("flex decode at head_dim %d, GQA group %d (%s) does not fit shared "
+                           "memory with %d stages; compiling with %d", key[0], key[1], key[2],
+                           stages, stages - 1)
+            opts = {**opts, "num_stages": stages - 1}
+            _FITTED_STAGES[key] = stages - 1
