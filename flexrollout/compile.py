@@ -4,12 +4,21 @@ Decode compiles one static-shape specialisation per graph bucket (flex picks its
 kernel only for a static batch), and a layer function serves every layer type and bucket: more
 than dynamo's default of 8 specialisations per function. The raised limits are scoped to these
 calls (`torch._dynamo.config.patch`), so the user's own compiled code keeps its settings.
+
+`deepest_fitting` compiles a kernel (a Triton launch, flex's decode template) with fewer pipeline
+stages where the depth asked does not fit the GPU's shared memory.
 """
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _LIMITS = dict(recompile_limit=64, accumulated_recompile_limit=512)
 
@@ -26,3 +35,24 @@ def compiled(fn, dynamo_config: dict | None = None, **options):
             return compiled_fn(*args, **kwargs)
 
     return call
+
+
+def deepest_fitting(run: Callable[[int], T], asked: int, key, fitted: dict,
+                    errors: type[BaseException] | tuple, too_big: Callable[[BaseException], bool]) -> T:
+    """`run(depth)` with `asked` pipeline stages, or with the deepest that fits shared memory:
+    one stage fewer each time it raises one of `errors` for which `too_big(err)` holds (a
+    compiler's refusal, before anything runs). The depth that fit is kept in `fitted[key]`, so
+    later calls of that variant start there; other errors, and a single stage too big, raise."""
+    depth = fitted.get(key, asked)
+    while True:
+        try:
+            result = run(depth)
+            break
+        except errors as err:
+            if depth <= 1 or not too_big(err):
+                raise
+            depth -= 1
+    if depth != asked and key not in fitted:
+        logger.info("%s: %d pipeline stages fit shared memory, not %d", key, depth, asked)
+    fitted[key] = depth
+    return result

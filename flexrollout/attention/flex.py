@@ -7,21 +7,18 @@ and flex's fused decode kernel sees no GQA at all.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from ..compile import compiled
+from ..compile import compiled, deepest_fitting
 from ..spec import LayerSpec
 from .reference import dense_view, reference_attention
 
-logger = logging.getLogger(__name__)
-
-# Decode kernels Inductor could not fit in shared memory at the stages asked, by (head_dim, GQA
-# group, dtype, stages asked): the stages they compiled with instead (`_decode_fitting`).
+# Decode kernels Inductor could not fit in shared memory at the stages asked, by (GQA group,
+# head_dim, dtype, stages asked): the stages they compiled with (`_decode_fitting`).
 _FITTED_STAGES: dict[tuple, int] = {}
 
 
@@ -169,25 +166,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _decode_fitting(flex, q4, k_cache, v_cache, block_mask, scale, opts: dict, lse_wanted: bool):
     """flex decode, compiled with one pipeline stage fewer each time Inductor finds the kernel
-    out of shared memory; the depth that fits is kept per (head_dim, group, dtype, depth asked).
+    out of shared memory (`compile.deepest_fitting`); the depth that fits is kept per (GQA
+    group, head_dim, dtype, depth asked).
     `decode_kernel_options` picks depths measured to fit; this keeps a shape nobody measured (a
     wider GQA group, another GPU) from stopping the engine. The first decode of a shape compiles
     it in the graphs' warm-up, before any capture."""
     from torch._inductor.exc import InductorError
 
-    key = (q4.shape[-1], q4.shape[-2], q4.dtype, opts.get("num_stages"))
-    if key in _FITTED_STAGES:
-        opts = {**opts, "num_stages": _FITTED_STAGES[key]}
-    while True:
-        try:
-            return flex(q4, k_cache, v_cache, block_mask=block_mask, scale=scale,
-                        kernel_options=opts, return_lse=lse_wanted)
-        except InductorError as err:
-            stages = opts.get("num_stages", 1)
-            if stages <= 1 or "out of resource" not in str(err):
-                raise
-            logger.warning("flex decode at head_dim %d, GQA group %d (%s) does not fit shared "
-                           "memory with %d stages; compiling with %d", key[0], key[1], key[2],
-                           stages, stages - 1)
-            opts = {**opts, "num_stages": stages - 1}
-            _FITTED_STAGES[key] = stages - 1
+    def run(depth: int):
+        return flex(q4, k_cache, v_cache, block_mask=block_mask, scale=scale,
+                    kernel_options={**opts, "num_stages": depth}, return_lse=lse_wanted)
+
+    asked = opts["num_stages"]
+    return deepest_fitting(run, asked, ("flex decode", *q4.shape[-2:], q4.dtype, asked),
+                           _FITTED_STAGES, InductorError, lambda err: "out of resource" in str(err))

@@ -28,13 +28,12 @@ start while the kernel before it drains, and waits (griddepcontrol.wait) before 
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from ..compile import deepest_fitting
 
 # Largest batch the engine gives the kernel for plain projections (row tiles of 16 or 32); larger
 # ones go to cuBLAS, which is on par from M = 64 on. The engine's threshold is
@@ -243,19 +242,11 @@ def launch_fitting(kernel, grid, args: tuple, consts: dict, warps: int, stages: 
     retrying shallower is safe; the depth found is kept per variant."""
     from triton.runtime.errors import OutOfResources
 
-    key = (device, warps, stages, *consts.items())
-    depth = _FITTED_STAGES.get(key, stages)
-    while True:
-        try:
-            kernel[grid](*args, **consts, num_warps=warps, num_stages=depth, **launch_options)
-            break
-        except OutOfResources:
-            if depth == 1:
-                raise
-            depth -= 1
-    if depth != stages and key not in _FITTED_STAGES:
-        logger.debug("small_linear %s: %d stages fit shared memory, not %d", consts, depth, stages)
-    _FITTED_STAGES[key] = depth
+    def run(depth: int) -> None:
+        kernel[grid](*args, **consts, num_warps=warps, num_stages=depth, **launch_options)
+
+    deepest_fitting(run, stages, (device, warps, stages, *consts.items()), _FITTED_STAGES,
+                    OutOfResources, lambda err: True)
 
 
 class _FusedShrink:
