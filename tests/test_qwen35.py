@@ -142,6 +142,59 @@ def test_packed_conv_matches_hf_conv_with_history():
     assert (step - ref).abs().max() < 1e-6 and torch.equal(window, state)
 
 
+def _kda_reference(q, k, v, g, beta, initial_state, inplace_final_state, ssm_state_indices,
+                   use_qk_l2norm_in_kernel, out):
+    """fla's `fused_recurrent_kda_fwd` as its kernel reads (fla 0.6, kda/fused_recurrent.py), for
+    one token per sequence: q/k (B, 1, H, K), v (B, 1, HV, V), g (B, 1, HV, K) a decay per key
+    channel, beta (B, 1, HV); value head h reads key head h // (HV / H); each row's state is read
+    from and written back to `initial_state[ssm_state_indices[row]]`; the output into `out`."""
+    assert inplace_final_state and use_qk_l2norm_in_kernel and q.shape[1] == 1
+    heads, value_heads = q.shape[2], v.shape[2]
+    for row, slot in enumerate(ssm_state_indices.tolist()):
+        for h in range(value_heads):
+            kh = h // (value_heads // heads)
+            qv, kv = q[row, 0, kh].float(), k[row, 0, kh].float()
+            qv = qv / torch.sqrt((qv * qv).sum() + 1e-6) * q.shape[-1] ** -0.5
+            kv = kv / torch.sqrt((kv * kv).sum() + 1e-6)
+            state = initial_state[slot, h] * g[row, 0, h].float().exp()[:, None]
+            write = (v[row, 0, h].float() - (state * kv[:, None]).sum(0)) * beta[row, 0, h].float()
+            state = state + kv[:, None] * write[None, :]
+            out[row, 0, h] = (state * qv[:, None]).sum(0).to(out.dtype)
+            initial_state[slot, h] = state
+    return out, initial_state
+
+
+def test_fla_decode_wiring_matches_torch_step(monkeypatch):
+    """The decode step's fla path (key heads unrepeated, the per-head decay repeated over the key
+    channels, states updated in place at their slots) against the torch step, with fla's kernel
+    replaced by a torch transcription of what it computes (`_kda_reference`; the GPU test below
+    runs fla's own)."""
+    from flexrollout.layers import gated_delta as gd
+    from flexrollout.models.qwen3_5 import linear_attention_decode
+
+    monkeypatch.setattr(gd, "fla_decode_kernel", lambda: _kda_reference)
+    gen = torch.Generator().manual_seed(3)
+    rows, key_heads, value_heads, dk, dv, width = 3, 2, 4, 8, 6, 4
+    conv_dim = 2 * key_heads * dk + value_heads * dv
+    mixed = torch.randn(rows, conv_dim, generator=gen)
+    z = torch.randn(rows, value_heads * dv, generator=gen)
+    beta = torch.rand(rows, value_heads, generator=gen)
+    g = -torch.rand(rows, value_heads, generator=gen)
+    conv_w, norm_w = torch.randn(conv_dim, width, generator=gen), torch.randn(dv, generator=gen)
+    conv_pool = torch.randn(5, conv_dim, width, generator=gen)
+    rec_pool = torch.randn(5, value_heads, dk, dv, generator=gen)
+    slots = torch.tensor([4, 0, 2])
+    heads = (key_heads, dk, value_heads, dv)
+    results = []
+    for fla in (False, True):
+        pools = conv_pool.clone(), rec_pool.clone()
+        out = linear_attention_decode(mixed, z, beta, g, conv_w, norm_w, *pools, slots, heads, 1e-6, fla)
+        results.append((out, *pools))
+    for torch_side, fla_side in zip(*results):
+        assert (torch_side - fla_side).abs().max() < 1e-5
+    assert torch.equal(results[1][2][[1, 3]], rec_pool[[1, 3]])        # other slots untouched
+
+
 def test_bad_linear_backend_is_a_clear_error():
     from flexrollout.layers import gated_delta as gd
     from flexrollout.models.qwen3_5 import Qwen3_5Forward
@@ -555,6 +608,35 @@ def test_gpu_fla_prefill_matches_torch_reference():
     scale = out_ref.float().abs().max()
     assert (out_fla.float() - out_ref.float()).abs().max() < 2e-2 * scale
     assert (final_fla - final_ref).abs().max() < 2e-2 * final_ref.abs().max()
+
+
+@pytest.mark.gpu
+def test_gpu_fla_decode_matches_torch_step():
+    """fla's in-place decode kernel against the torch step at Qwen3.5-4B's linear-attention widths
+    (16 key heads, 32 value heads of 128), bf16 inputs, fp32 states in scattered pool slots."""
+    pytest.importorskip("fla")
+    from flexrollout.layers import gated_delta as gd
+
+    if gd.fla_decode_kernel() is None:
+        pytest.skip("this fla has no in-place recurrent kernel")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, key_heads, value_heads, dim = 5, 16, 32, 128
+    q, k = (torch.randn(rows, key_heads, dim, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(rows, value_heads, dim, device="cuda", generator=gen).bfloat16()
+    g = -torch.rand(rows, value_heads, device="cuda", generator=gen)
+    beta = torch.rand(rows, value_heads, device="cuda", generator=gen).bfloat16()
+    pool = 0.1 * torch.randn(9, value_heads, dim, dim, device="cuda", generator=gen)
+    slots = torch.tensor([8, 1, 4, 0, 6], device="cuda", dtype=torch.int32)
+    fla_pool = pool.clone()
+    out = gd.fla_decode_step(q, k, v, g, beta, fla_pool, slots)
+    group = value_heads // key_heads
+    ref_out, ref_state = gd.recurrent_step(q.repeat_interleave(group, 1), k.repeat_interleave(group, 1), v, g,
+                                           beta, pool[slots.long()])
+    assert (out.float() - ref_out).abs().max() < 2e-2 * ref_out.abs().max()
+    assert (fla_pool[slots.long()] - ref_state).abs().max() < 1e-4 * ref_state.abs().max()
+    untouched = torch.ones(9, dtype=torch.bool)
+    untouched[slots.long().cpu()] = False
+    assert torch.equal(fla_pool[untouched.cuda()], pool[untouched.cuda()])
 
 
 @pytest.mark.gpu

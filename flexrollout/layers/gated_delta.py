@@ -12,8 +12,10 @@ previous owner, a preempted run), so nothing needs clearing when slots are hande
 Two implementations of the prefill rule: flash-linear-attention's `chunk_gated_delta_rule`
 (Triton; an optional dependency, used on CUDA in 16-bit when importable) and a torch reference in
 chunked form (the UT / WY transform: within a chunk the writes u solve one unit-lower-triangular
-system), which serves on CPU, in fp32 and wherever fla is absent. Decode is one recurrent step in
-torch: a handful of element-wise ops on the gathered states, captured in the decode graphs.
+system), which serves on CPU, in fp32 and wherever fla is absent. Decode is one recurrent step:
+fla's fused recurrent kernel where fla serves (one pass over each state, read from and written back
+to its pool slot in place), else a handful of torch ops on the gathered states; either way captured
+in the decode graphs.
 """
 from __future__ import annotations
 
@@ -39,6 +41,18 @@ def fla_chunk_rule():
         return None
     logger.info("GatedDeltaNet prefill uses flash-linear-attention's chunk_gated_delta_rule")
     return module.chunk_gated_delta_rule
+
+
+@functools.cache
+def fla_decode_kernel():
+    """fla's one-token recurrent kernel with states updated in place at their slots (its KDA
+    kernel's `ssm_state_indices`: KDA is the gated delta rule with a decay per key channel, so the
+    rule's per-head decay is that decay repeated), or None without fla 0.6 or later."""
+    try:
+        module = importlib.import_module("fla.ops.kda.fused_recurrent")
+    except ImportError:
+        return None
+    return getattr(module, "fused_recurrent_kda_fwd", None)
 
 
 def use_fla(x: torch.Tensor, backend: str) -> bool:
@@ -125,6 +139,28 @@ def recurrent_step(q, k, v, g, beta, state: torch.Tensor):
     write = (v - predicted) * beta[..., None]
     state = state + k[..., None] * write[..., None, :]
     return (state * q[..., None]).sum(-2), state
+
+
+@torch.library.custom_op("flexrollout::gated_delta_decode", mutates_args=("pool",))
+def fla_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`recurrent_step` through fla's kernel, each row's state read from and written back to its
+    slot of `pool` (slots, Hv, dk, dv) fp32 in one pass. q/k (B, Hk, dk) (the kernel maps value
+    head h to key head h // (Hv / Hk), as `split_heads` repeats them), v (B, Hv, dv), g/beta (B, Hv).
+    Returns (B, Hv, dv) in v's dtype. An op torch.compile treats as opaque: fla's Python wrapper
+    picks its backend at run time."""
+    batch, value_heads = g.shape
+    decay = g.float()[:, None, :, None].expand(batch, 1, value_heads, q.shape[-1]).contiguous()
+    out = torch.empty_like(v)[:, None]
+    fla_decode_kernel()(q.contiguous()[:, None], k.contiguous()[:, None], v.contiguous()[:, None], decay,
+                        beta.contiguous()[:, None], initial_state=pool, inplace_final_state=True,
+                        ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, out=out)
+    return out[:, 0]
+
+
+@fla_decode_step.register_fake
+def _(q, k, v, g, beta, pool, slots):
+    return torch.empty_like(v)
 
 
 def chunked_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK):

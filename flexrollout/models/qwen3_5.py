@@ -212,7 +212,8 @@ class Qwen3_5Forward(DecoderForward):
         args = (mixed, z, beta, g, attn.conv1d.weight.squeeze(1), attn.norm.weight, pools["conv"],
                 pools["recurrent"], meta.seq_slots, heads, self.eps)
         if meta.decode:
-            return self._fn(linear_attention_decode, self._eager(meta))(*args)
+            fla = gdn.use_fla(mixed, self.linear_backend) and gdn.fla_decode_kernel() is not None
+            return self._fn(linear_attention_decode, self._eager(meta))(*args, fla)
         return linear_attention_prefill(*args, meta.positions, meta.cu_seqlens, self.linear_backend)
 
 
@@ -226,13 +227,23 @@ def split_heads(conv_out: torch.Tensor, heads: tuple[int, int, int, int]):
     return q, k, v.reshape(tokens, value_heads, dv)
 
 
-def linear_attention_decode(mixed, z, beta, g, conv_w, norm_w, conv_pool, rec_pool, slots, heads, eps):
-    """One token per sequence (B rows), states read from and written back to their slots."""
+def linear_attention_decode(mixed, z, beta, g, conv_w, norm_w, conv_pool, rec_pool, slots, heads, eps,
+                            fla: bool = False):
+    """One token per sequence (B rows), states read from and written back to their slots;
+    `fla`: the rule through fla's kernel, in place in the pool (the torch step reads a gathered
+    copy and writes it back: three passes over every state where fla's kernel makes one)."""
     conv_out, history = gdn.conv_decode(mixed, conv_w, conv_pool.index_select(0, slots))
     conv_pool.index_copy_(0, slots, history)
-    q, k, v = split_heads(conv_out, heads)
-    out, state = gdn.recurrent_step(q, k, v, g, beta, rec_pool.index_select(0, slots))
-    rec_pool.index_copy_(0, slots, state)
+    if fla:
+        key_heads, dk, value_heads, dv = heads
+        q, k, v = conv_out.split([key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
+        rows = conv_out.shape[0]
+        out = gdn.fla_decode_step(q.reshape(rows, key_heads, dk), k.reshape(rows, key_heads, dk),
+                                  v.reshape(rows, value_heads, dv), g, beta, rec_pool, slots)
+    else:
+        q, k, v = split_heads(conv_out, heads)
+        out, state = gdn.recurrent_step(q, k, v, g, beta, rec_pool.index_select(0, slots))
+        rec_pool.index_copy_(0, slots, state)
     return gated_rms_norm(out.to(mixed.dtype), z, norm_w, eps).flatten(1)
 
 
