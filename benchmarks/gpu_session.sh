@@ -72,6 +72,12 @@
 #              an A/B at prompt 2048 + 256 of the tree in .ab_old against this one, Qwen3-4B and
 #              Gemma-4-E2B 1 / 8 (first run: decode masks with full blocks before f9b54ee), then
 #              full-block against all-partial masks in flex alone (attention_sweep.py)
+#   lut : (carry .whl) the 4-bit GEMV that looks the code up with prmt in registers
+#         (gemv_4bit_designs.py) against bitsandbytes at 1 / 4 / 8 rows, then where Gemma-4-E2B's
+#         batch-1 step goes (profile)
+#   thirteenth : (carry .whl) Qwen3.5's decode through fla's in-place recurrent kernel: its GPU tests and
+#                Qwen3.5-4B decode 1 / 8 / 64; the 4-bit GEMV designs (code looked up by warp shuffle
+#                or prmt) at 1 / 8 rows, each best tiling's kernel alone too
 #   twelfth : (carry .whl with fla) Qwen3.5-4B decode 1 / 8 / 64 against HF, Qwen3-4B's batch-1
 #             decode profile without and with a live r=32 adapter on all seven projections
 #   gemma_startup : Gemma-4-E2B decode 1 / 8 / 64 from cold compile caches with weight shapes traced
@@ -378,6 +384,18 @@ eleventh)
       --context 2048 --shape $shape "$out/attn.json" 2>&1 | filter
   done > "$out/attention.txt"
   names="gpu masks_ab attention" ;;
+lut)
+  timeout 260 python3 benchmarks/gemv_4bit_designs.py --rows 1,4,8 2>&1 | tee -a "$out/full.log" \
+    | grep -v -e fail -e Warn | tail -12 > "$out/lut.txt"
+  timeout 240 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 2>&1 | tee -a "$out/full.log" \
+    | filter | tail -30 > "$out/e2b_profile.txt"
+  names="gpu lut e2b_profile" ;;
+thirteenth)
+  gputest 150 tests/test_qwen35.py -k "fla_decode or bf16_fla_engine" | tail -6 > "$out/tests.txt"
+  bench 200 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode | tail -5 > "$out/qwen35.txt"
+  timeout 200 python3 benchmarks/gemv_4bit_designs.py --rows 1,8 2>&1 | tee -a "$out/full.log" \
+    | grep -v -e fail -e Warn | tail -14 > "$out/lut.txt"
+  names="gpu tests qwen35 lut" ;;
 twelfth)
   bench 260 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
     | tail -6 > "$out/qwen35.txt"
