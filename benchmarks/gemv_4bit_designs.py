@@ -212,7 +212,7 @@ def launch(x, packed, st, planes, block_n, kb, warps, split, shfl, partials=Fals
 
 def tilings(m: int, k: int):
     """(block_n, blocks per step, warps, K slices, shuffle lookup)."""
-    for block_n, kb, warps, split, shfl in itertools.product((32, 64, 128), (1, 2), (4, 8), (1, 2, 4, 8),
+    for block_n, kb, warps, split, shfl in itertools.product((32, 64, 128), (1, 2), (4, 8), (2, 4, 8, 16),
                                                              (True, False)):
         if block_n * kb * 8 >= warps * 32 and block_n * kb * m <= 1024 and k >= split * kb * 64:
             yield block_n, kb, warps, split, shfl

@@ -75,9 +75,10 @@
 #   lut : (carry .whl) the 4-bit GEMV that looks the code up with prmt in registers
 #         (gemv_4bit_designs.py) against bitsandbytes at 1 / 4 / 8 rows, then where Gemma-4-E2B's
 #         batch-1 step goes (profile)
-#   thirteenth : (carry .whl) Qwen3.5's decode through fla's in-place recurrent kernel: its GPU tests and
-#                Qwen3.5-4B decode 1 / 8 / 64; the 4-bit GEMV designs (code looked up by warp shuffle
-#                or prmt) at 1 / 8 rows, each best tiling's kernel alone too
+#   thirteenth : (carry .whl) Qwen3.5's decode through fla's in-place recurrent kernel and Gemma-4's
+#                q/k/v epilogue kernel: their GPU tests, Qwen3.5-4B and Gemma-4-E2B decode 1 / 8 / 64
+#   designs2 : (carry .whl) the 4-bit GEMV designs (code looked up by warp shuffle or prmt) at 1 / 8
+#              rows, each best tiling's kernel alone too
 #   twelfth : (carry .whl with fla) Qwen3.5-4B decode 1 / 8 / 64 against HF, Qwen3-4B's batch-1
 #             decode profile without and with a live r=32 adapter on all seven projections
 #   gemma_startup : Gemma-4-E2B decode 1 / 8 / 64 from cold compile caches with weight shapes traced
@@ -391,11 +392,15 @@ lut)
     | filter | tail -30 > "$out/e2b_profile.txt"
   names="gpu lut e2b_profile" ;;
 thirteenth)
-  gputest 150 tests/test_qwen35.py -k "fla_decode or bf16_fla_engine" | tail -6 > "$out/tests.txt"
-  bench 200 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode | tail -5 > "$out/qwen35.txt"
-  timeout 200 python3 benchmarks/gemv_4bit_designs.py --rows 1,8 2>&1 | tee -a "$out/full.log" \
+  gputest 240 tests/test_qwen35.py tests/test_fused_kernels.py tests/test_gemma4.py \
+    -k "fla_decode or bf16_fla_engine or on_cuda or (real_widths_fp32 and 26b)" | tail -8 > "$out/tests.txt"
+  bench 170 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode | tail -5 > "$out/qwen35.txt"
+  bench 150 --preset gemma-4-e2b --batch-sizes 1,8,64 --workload decode | tail -5 > "$out/e2b.txt"
+  names="gpu tests qwen35 e2b" ;;
+designs2)
+  timeout 300 python3 benchmarks/gemv_4bit_designs.py --rows 1,8 2>&1 | tee -a "$out/full.log" \
     | grep -v -e fail -e Warn | tail -14 > "$out/lut.txt"
-  names="gpu tests qwen35 lut" ;;
+  names="gpu lut" ;;
 twelfth)
   bench 260 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
     | tail -6 > "$out/qwen35.txt"

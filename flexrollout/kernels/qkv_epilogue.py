@@ -1,5 +1,6 @@
 """What follows the q/k/v projections, as one kernel: the projections' partial sums (and bias),
-Qwen3's per-head q/k RMSNorm, NeoX RoPE, and the K/V store into the paged cache.
+the per-head q/k RMSNorm (Qwen3's, or Gemma-4's in fp32 with a weightless norm of V), NeoX RoPE,
+and the K/V store into the paged cache.
 
 Compiled by inductor this is six kernels per layer (two norms, q RoPE, k RoPE, k store, v store:
 the norms reduce over heads of different counts and each cache write is its own scatter), a few
@@ -7,8 +8,8 @@ microseconds each at decode. Here one program handles one (token, head): it read
 columns of every partial, so nothing between the projection and attention touches memory twice.
 
 Rounding follows HF's order where HF rounds to the model dtype: after the projection, after the
-bias, after the norm (before its weight) and after the weight; RoPE is computed in fp32 and
-rounded once.
+bias, after the norm (Llama style: before its weight and after it; fp32 style: once, after the
+weight); RoPE is computed in fp32 and rounded once.
 
 Columns of the projection output are q heads, then k heads, then v heads, `head_dim` each: the
 layout of the GEMV's q/k/v launch (`small_linear(h, wq, wk, wv)`) and of three separate
@@ -42,7 +43,8 @@ def _kernel():
                             v_cache, slots, cache_head_stride, cache_slot_stride, eps,
                             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                             HALF: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
+                            HAS_NORM: tl.constexpr, NORM_FP32: tl.constexpr,
+                            V_NORM: tl.constexpr, DTYPE: tl.constexpr):
         token = tl.program_id(0)
         head = tl.program_id(1)
         offs = tl.arange(0, HALF)
@@ -69,14 +71,22 @@ def _kernel():
         if head < NUM_HEADS + NUM_KV_HEADS:
             if HAS_NORM:
                 inv = tl.rsqrt((tl.sum(x1 * x1) + tl.sum(x2 * x2)) / (2 * HALF) + eps)
-                x1 = (x1 * inv).to(DTYPE).to(tl.float32) * tl.load(norm_w + offs).to(tl.float32)
-                x2 = (x2 * inv).to(DTYPE).to(tl.float32) * tl.load(norm_w + HALF + offs).to(tl.float32)
+                w1 = tl.load(norm_w + offs).to(tl.float32)
+                w2 = tl.load(norm_w + HALF + offs).to(tl.float32)
+                if NORM_FP32:           # (x̂ * w) in fp32, rounded once (Gemma-4)
+                    x1, x2 = x1 * inv * w1, x2 * inv * w2
+                else:                   # x̂ rounded, times w, rounded (Llama, Qwen3)
+                    x1 = (x1 * inv).to(DTYPE).to(tl.float32) * w1
+                    x2 = (x2 * inv).to(DTYPE).to(tl.float32) * w2
                 x1, x2 = x1.to(DTYPE).to(tl.float32), x2.to(DTYPE).to(tl.float32)
             c1 = tl.load(cos + token * stride_rope + offs).to(tl.float32)
             c2 = tl.load(cos + token * stride_rope + HALF + offs).to(tl.float32)
             s1 = tl.load(sin + token * stride_rope + offs).to(tl.float32)
             s2 = tl.load(sin + token * stride_rope + HALF + offs).to(tl.float32)
             x1, x2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+        elif V_NORM:                    # Gemma-4's weightless v_norm
+            inv = tl.rsqrt((tl.sum(x1 * x1) + tl.sum(x2 * x2)) / (2 * HALF) + eps)
+            x1, x2 = x1 * inv, x2 * inv
         if head < NUM_HEADS:
             out = q_out + (token * NUM_HEADS + head) * 2 * HALF
         else:
@@ -104,11 +114,15 @@ def qkv_epilogue(q_src: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor,
                  qn_w: torch.Tensor | None, kn_w: torch.Tensor | None,
                  cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, eps: float,
-                 num_heads: int, num_kv_heads: int) -> torch.Tensor:
+                 num_heads: int, num_kv_heads: int, norm_fp32: bool = False,
+                 v_norm: bool = False) -> torch.Tensor:
     """q (T, num_heads, head_dim) in cos's dtype; K/V written at `slot_mapping` in the caches.
 
     `q_src`/`k_src`/`v_src`: (split, T, width) fp32 partials or (T, width) projections, summed
-    over the split. `cos`/`sin`: (T, head_dim) in the model dtype. Caches: (1, kv_heads, S, D).
+    over the split (`v_src` may be `k_src` itself: Gemma-4's V is k_proj's raw output). `cos`/
+    `sin`: (T, head_dim) in the model dtype. Caches: (1, kv_heads, S, D). `norm_fp32`: the q/k
+    norms in Gemma-4's style (`layers.norm.FP32`) rather than Llama's; `v_norm`: V normalised
+    without a weight before it is stored.
     """
     head_dim = k_cache.shape[-1]
     srcs = [s if s.dim() == 3 else s[None] for s in (q_src, k_src, v_src)]
@@ -127,13 +141,13 @@ def qkv_epilogue(q_src: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor,
         cos, sin, cos.stride(0), q, k_cache, v_cache, slot_mapping, k_cache.stride(1),
         k_cache.stride(2), eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, SPLIT=split,
-        HAS_BIAS=has_bias, HAS_NORM=has_norm, DTYPE=tl_dtype(cos.dtype),
-        num_warps=1)
+        HAS_BIAS=has_bias, HAS_NORM=has_norm, NORM_FP32=norm_fp32, V_NORM=v_norm,
+        DTYPE=tl_dtype(cos.dtype), num_warps=1)
     return q
 
 
 @qkv_epilogue.register_fake
 def _(q_src, k_src, v_src, bq, bk, bv, qn_w, kn_w, cos, sin, k_cache, v_cache, slot_mapping, eps,
-      num_heads, num_kv_heads):
+      num_heads, num_kv_heads, norm_fp32=False, v_norm=False):
     tokens = q_src.shape[-2]
     return cos.new_empty(tokens, num_heads, k_cache.shape[-1])

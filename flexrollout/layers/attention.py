@@ -12,7 +12,7 @@ import torch
 from ..attention.kv_cache import store_kv
 from ..kernels import qkv_epilogue as epilogue
 from .linear import Kernels, Linear, finish_group, project_group
-from .norm import LLAMA, rms_norm
+from .norm import FP32, LLAMA, rms_norm
 from .rope import apply_rope
 
 
@@ -26,7 +26,7 @@ def attention_inputs(x: torch.Tensor, ln_w: torch.Tensor, q: Linear, k: Linear, 
     h = rms_norm(x, ln_w, eps, norm_style)
     projections = [q, k, v]
     outputs = project_group(h, projections, kernels)
-    if decode and _epilogue_fits(h, outputs, projections, qn_w, norm_style, head_dim, k_cache, kernels):
+    if decode and epilogue_fits(h, outputs, projections, qn_w, norm_style, head_dim, k_cache, kernels):
         partials = outputs[0].dim() == 3        # biases still to add (a full output has its own)
         biases = [p.bias if partials else None for p in projections]
         return epilogue.qkv_epilogue(*outputs, *biases, qn_w, kn_w, cos, sin, k_cache, v_cache,
@@ -43,13 +43,13 @@ def attention_inputs(x: torch.Tensor, ln_w: torch.Tensor, q: Linear, k: Linear, 
     return qs
 
 
-def _epilogue_fits(h, outputs, projections, qn_w, norm_style: str, head_dim: int,
-                   k_cache: torch.Tensor, kernels: Kernels) -> bool:
+def epilogue_fits(h, outputs, projections, qn_w, norm_style: str, head_dim: int,
+                  k_cache: torch.Tensor, kernels: Kernels) -> bool:
     """The epilogue kernel computes this layer's math: it adds all three biases or none, and
-    its q/k norm rounds as Llama's does."""
+    its q/k norm rounds as Llama's or in fp32 (Gemma-4's)."""
     if not (h.is_cuda and kernels.epilogue and epilogue.supported(head_dim, k_cache)):
         return False
-    if qn_w is not None and norm_style != LLAMA:
+    if qn_w is not None and norm_style not in (LLAMA, FP32):
         return False
     with_bias = [p.bias is not None and out.dim() == 3 for p, out in zip(projections, outputs)]
     return len(set(with_bias)) == 1

@@ -21,11 +21,24 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.kv_cache import store_kv
-from ..layers.linear import Kernels, Linear, finish_group, linear, project_group, read_linear
+from ..kernels.qkv_epilogue import qkv_epilogue
+from ..layers.attention import epilogue_fits
+from ..layers.linear import (
+    Kernels,
+    Linear,
+    finish_group,
+    linear,
+    project_group,
+    read_linear,
+)
 from ..layers.mlp import activation, gated_mlp
 from ..layers.moe import GELU_TANH, Experts, experts_forward, read_experts, softmax_topk
 from ..layers.norm import FP32, rms_norm
-from ..layers.per_layer_input import PerLayerInputBlock, per_layer_input_residual, per_layer_inputs
+from ..layers.per_layer_input import (
+    PerLayerInputBlock,
+    per_layer_input_residual,
+    per_layer_inputs,
+)
 from ..layers.rope import apply_rope, tables_from_rotary
 from ..layers.softcap import softcap
 from ..spec import LayerSpec, ModelSpec
@@ -42,15 +55,24 @@ def attention_inputs(x: torch.Tensor, ln_w: torch.Tensor, q: Linear, k: Linear, 
                      qn_w: torch.Tensor, kn_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                      eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
-                     kernels: Kernels) -> torch.Tensor:
+                     kernels: Kernels, decode: bool = False) -> torch.Tensor:
     """input norm -> q/k/v (`v=None`: V is k_proj's raw output) -> q/k norms, weightless v norm
-    -> RoPE on q and k -> K/V stored. Returns the queries (T, heads, head_dim)."""
+    -> RoPE on q and k -> K/V stored. Returns the queries (T, heads, head_dim). In decode on CUDA
+    all after the projections is the q/k/v epilogue kernel (`kernels.qkv_epilogue`)."""
     h = rms_norm(x, ln_w, eps, FP32)
     projections = [q, k] if v is None else [q, k, v]
-    outputs = finish_group(project_group(h, projections, kernels), projections, h.dtype)
+    outputs = project_group(h, projections, kernels)
+    if v is None:           # V reads k_proj's output: the epilogue takes it as a third source
+        outputs, projections = [*outputs, outputs[1]], [q, k, k]
+    if decode and epilogue_fits(h, outputs, projections, qn_w, FP32, head_dim, k_cache, kernels):
+        partials = outputs[0].dim() == 3
+        biases = [p.bias if partials else None for p in projections]
+        return qkv_epilogue(*outputs, *biases, qn_w, kn_w, cos, sin, k_cache, v_cache, slot_mapping, eps,
+                            num_heads, num_kv_heads, norm_fp32=True, v_norm=True)
+    outputs = finish_group(outputs, projections, h.dtype)
     tokens = h.shape[0]
     ks = outputs[1].reshape(tokens, num_kv_heads, head_dim)
-    vs = ks if v is None else outputs[2].reshape(tokens, num_kv_heads, head_dim)
+    vs = outputs[2].reshape(tokens, num_kv_heads, head_dim)
     ks = apply_rope(rms_norm(ks, kn_w, eps, FP32), cos, sin)
     store_kv(k_cache, v_cache, ks, rms_norm(vs, None, eps), slot_mapping)
     return apply_rope(rms_norm(outputs[0].reshape(tokens, num_heads, head_dim), qn_w, eps, FP32), cos, sin)
@@ -218,7 +240,7 @@ class Gemma4Forward(DecoderForward):
         return (layer.input_layernorm.weight, lin(index, "q_proj", step), lin(index, "k_proj", step),
                 v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, step.cache.k[index],
                 step.cache.v[index], step.meta.slot_mapping, self.eps, spec.num_heads,
-                spec.num_kv_heads, spec.head_dim, step.kernels)
+                spec.num_kv_heads, spec.head_dim, step.kernels, step.meta.decode)
 
     def post_args(self, index: int, step: Step) -> tuple:
         layer, lin = self.text.layers[index], self.linear
