@@ -77,6 +77,8 @@
 #         batch-1 step goes (profile)
 #   thirteenth : (carry .whl) Qwen3.5's decode through fla's in-place recurrent kernel and Gemma-4's
 #                q/k/v epilogue kernel: their GPU tests, Qwen3.5-4B and Gemma-4-E2B decode 1 / 8 / 64
+#   fourteenth : what live LoRA's fused shrink costs at 2 / 4 / 8 / 16 / 32 K slices per adapter (lora_sweep.py,
+#                1 and 8 rows), the 4-bit GEMV designs at one row (carry .whl)
 #   designs2 : (carry .whl) the 4-bit GEMV designs (code looked up by warp shuffle or prmt) at 1 / 8
 #              rows, each best tiling's kernel alone too
 #   twelfth : (carry .whl with fla) Qwen3.5-4B decode 1 / 8 / 64 against HF, Qwen3-4B's batch-1
@@ -392,11 +394,17 @@ lut)
     | filter | tail -30 > "$out/e2b_profile.txt"
   names="gpu lut e2b_profile" ;;
 thirteenth)
-  gputest 240 tests/test_qwen35.py tests/test_fused_kernels.py tests/test_gemma4.py \
-    -k "fla_decode or bf16_fla_engine or on_cuda or (real_widths_fp32 and 26b)" | tail -8 > "$out/tests.txt"
-  bench 170 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode | tail -5 > "$out/qwen35.txt"
-  bench 150 --preset gemma-4-e2b --batch-sizes 1,8,64 --workload decode | tail -5 > "$out/e2b.txt"
+  gputest 150 tests/test_qwen35.py tests/test_fused_kernels.py -k "fla_decode or bf16_fla_engine or on_cuda" \
+    | tail -8 > "$out/tests.txt"
+  bench 140 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode | tail -5 > "$out/qwen35.txt"
+  bench 100 --preset gemma-4-e2b --batch-sizes 1,8 --workload decode | tail -4 > "$out/e2b.txt"
   names="gpu tests qwen35 e2b" ;;
+fourteenth)
+  timeout 150 python3 benchmarks/lora_sweep.py --rows 1,8 --splits 32 2>&1 | tee -a "$out/full.log" \
+    | grep -e "adds" -e "^rows" > "$out/lora_sweep.txt"
+  timeout 150 python3 benchmarks/gemv_4bit_designs.py --rows 1 2>&1 | tee -a "$out/full.log" \
+    | grep -v -e fail -e Warn | tail -8 > "$out/lut.txt"
+  names="gpu lora_sweep lut" ;;
 designs2)
   timeout 300 python3 benchmarks/gemv_4bit_designs.py --rows 1,8 2>&1 | tee -a "$out/full.log" \
     | grep -v -e fail -e Warn | tail -14 > "$out/lut.txt"

@@ -69,7 +69,7 @@ def measure(name: str, rows: int, rank: int, splits: list[int]) -> dict:
 
 
 FUSED = {"fused": (sl.SHRINK_SPLIT, True), "fused_no_prefetch": (sl.SHRINK_SPLIT, False),
-         "fused8": (8, True), "fused32": (32, True)}
+         "fused2": (2, True), "fused4": (4, True), "fused8": (8, True), "fused32": (32, True)}
 
 
 def _fused(row, x, weights, lora_a, lora_b, scales, silu, tile, pad) -> None:
