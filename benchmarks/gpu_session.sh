@@ -75,8 +75,10 @@
 #   lut : (carry .whl) the 4-bit GEMV that looks the code up with prmt in registers
 #         (gemv_4bit_designs.py) against bitsandbytes at 1 / 4 / 8 rows, then where Gemma-4-E2B's
 #         batch-1 step goes (profile)
-#   thirteenth : (carry .whl) Qwen3.5's decode through fla's in-place recurrent kernel and Gemma-4's
-#                q/k/v epilogue kernel: their GPU tests, Qwen3.5-4B and Gemma-4-E2B decode 1 / 8 / 64
+#   thirteenth : (carry .whl) Qwen3.5's decode through fla's in-place recurrent kernel (`fla_decode`) and
+#                Gemma-4's q/k/v epilogue kernel (`gemma_qkv_epilogue`), both off by default until
+#                this runs: their GPU tests, then Qwen3.5-4B decode 1 / 8 / 64 and Gemma-4-E2B 1 / 8
+#                with each off and on (about 9 minutes)
 #   fourteenth : what live LoRA's fused shrink costs at 2 / 4 / 8 / 16 / 32 K slices per adapter (lora_sweep.py,
 #                1 and 8 rows), the 4-bit GEMV designs at one row (carry .whl)
 #   designs2 : (carry .whl) the 4-bit GEMV designs (code looked up by warp shuffle or prmt) at 1 / 8
@@ -394,10 +396,14 @@ lut)
     | filter | tail -30 > "$out/e2b_profile.txt"
   names="gpu lut e2b_profile" ;;
 thirteenth)
-  gputest 150 tests/test_qwen35.py tests/test_fused_kernels.py -k "fla_decode or bf16_fla_engine or on_cuda" \
-    | tail -8 > "$out/tests.txt"
-  bench 140 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode | tail -5 > "$out/qwen35.txt"
-  bench 100 --preset gemma-4-e2b --batch-sizes 1,8 --workload decode | tail -4 > "$out/e2b.txt"
+  gputest 240 tests/test_qwen35.py tests/test_fused_kernels.py tests/test_gemma4.py \
+    -k "fla_decode or on_cuda or with_qkv_epilogue" | tail -8 > "$out/tests.txt"
+  for a in '{}' '{"fla_decode": true}'; do echo "== $a"
+    bench 130 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --engine-args "$a" | tail -4; done \
+    > "$out/qwen35.txt"
+  for a in '{}' '{"gemma_qkv_epilogue": true}'; do echo "== $a"
+    bench 110 --preset gemma-4-e2b --batch-sizes 1,8 --workload decode --engine-args "$a" | tail -3; done \
+    > "$out/e2b.txt"
   names="gpu tests qwen35 e2b" ;;
 fourteenth)
   timeout 150 python3 benchmarks/lora_sweep.py --rows 1,8 --splits 32 2>&1 | tee -a "$out/full.log" \

@@ -470,6 +470,19 @@ def _random_prompts(lengths, seed: int, vocab: int = 262144) -> list[list[int]]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset,layers", [("gemma-4-e2b", 10), ("gemma-4-26b-a4b", 6), ("gemma-4-31b", 6)])
 def test_real_widths_fp32_greedy_matches_hf_with_graphs(preset, layers):
+    _check_real_widths_fp32(preset, layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset,layers", [("gemma-4-e2b", 10), ("gemma-4-26b-a4b", 6)])
+def test_real_widths_fp32_with_qkv_epilogue_matches_hf(preset, layers):
+    """The same with decode's q/k/v epilogue kernel (`gemma_qkv_epilogue`; 26B-A4B: V from
+    k_proj on its full layers)."""
+    _check_real_widths_fp32(preset, layers, gemma_qkv_epilogue=True)
+
+
+def _check_real_widths_fp32(preset: str, layers: int, **engine_args) -> None:
     """Real widths at reduced depth (E2B: 5 KV-sharing layers; full layers at head_dim 512),
     fp32 on the GPU, CUDA graphs on, prompts longer than the sliding windows (512 / 1024).
     HF's random init leaves the logits of a 262k vocabulary close together: tokens are compared
@@ -479,7 +492,7 @@ def test_real_widths_fp32_greedy_matches_hf_with_graphs(preset, layers):
 
     model = _preset_model(preset, torch.float32, "cuda", layers)
     prompts = _random_prompts((5, 300, 1100), seed=5)
-    llm = LLM(model, max_model_len=2048, max_num_seqs=8, num_kv_pages=64)
+    llm = LLM(model, max_model_len=2048, max_num_seqs=8, num_kv_pages=64, **engine_args)
     assert llm.llm_engine.runner.graphs is not None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0), use_tqdm=False)

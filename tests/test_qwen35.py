@@ -640,6 +640,27 @@ def test_gpu_fla_decode_matches_torch_step():
 
 
 @pytest.mark.gpu
+def test_gpu_bf16_fla_decode_engine_close_to_torch_step():
+    """bf16 decode with `fla_decode` (fla's in-place kernel, from CUDA graphs) against the same
+    engine's torch step: the first tokens agree and so do their logprobs, to bf16 precision."""
+    pytest.importorskip("fla")
+    from flexrollout import LLM
+
+    model = _real_width_model("dense", torch.bfloat16)
+    prompts = _cuda_prompts(model.config.vocab_size, (7, 90, 200), seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+    runs = []
+    for fla_decode in (True, False):
+        llm = LLM(model, max_model_len=1024, max_num_seqs=4, num_kv_pages=32, fla_decode=fla_decode)
+        runs.append(llm.generate(_prompts(prompts), params, use_tqdm=False))
+        del llm
+    for fla, ref in zip(*runs):
+        assert fla.outputs[0].token_ids[:4] == ref.outputs[0].token_ids[:4]
+        diff = torch.tensor(_first_logprobs(fla)[:4]) - torch.tensor(_first_logprobs(ref)[:4])
+        assert diff.abs().mean() < 0.05, diff
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_fla_engine_close_to_torch_rule():
     """bf16 engine with fla prefill against the same engine on the torch rule: the prompt's
     logprobs agree to bf16 precision (greedy tokens of random bf16 models are nearly tied)."""

@@ -55,16 +55,17 @@ def attention_inputs(x: torch.Tensor, ln_w: torch.Tensor, q: Linear, k: Linear, 
                      qn_w: torch.Tensor, kn_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                      eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
-                     kernels: Kernels, decode: bool = False) -> torch.Tensor:
+                     kernels: Kernels, epilogue: bool = False) -> torch.Tensor:
     """input norm -> q/k/v (`v=None`: V is k_proj's raw output) -> q/k norms, weightless v norm
-    -> RoPE on q and k -> K/V stored. Returns the queries (T, heads, head_dim). In decode on CUDA
-    all after the projections is the q/k/v epilogue kernel (`kernels.qkv_epilogue`)."""
+    -> RoPE on q and k -> K/V stored. Returns the queries (T, heads, head_dim). `epilogue` (decode
+    steps, `EngineConfig.gemma_qkv_epilogue`): on CUDA all after the projections is the q/k/v
+    epilogue kernel (`kernels.qkv_epilogue`)."""
     h = rms_norm(x, ln_w, eps, FP32)
     projections = [q, k] if v is None else [q, k, v]
     outputs = project_group(h, projections, kernels)
     if v is None:           # V reads k_proj's output: the epilogue takes it as a third source
         outputs, projections = [*outputs, outputs[1]], [q, k, k]
-    if decode and epilogue_fits(h, outputs, projections, qn_w, FP32, head_dim, k_cache, kernels):
+    if epilogue and epilogue_fits(h, outputs, projections, qn_w, FP32, head_dim, k_cache, kernels):
         partials = outputs[0].dim() == 3
         biases = [p.bias if partials else None for p in projections]
         return qkv_epilogue(*outputs, *biases, qn_w, kn_w, cos, sin, k_cache, v_cache, slot_mapping, eps,
@@ -240,7 +241,8 @@ class Gemma4Forward(DecoderForward):
         return (layer.input_layernorm.weight, lin(index, "q_proj", step), lin(index, "k_proj", step),
                 v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, step.cache.k[index],
                 step.cache.v[index], step.meta.slot_mapping, self.eps, spec.num_heads,
-                spec.num_kv_heads, spec.head_dim, step.kernels, step.meta.decode)
+                spec.num_kv_heads, spec.head_dim, step.kernels,
+                step.meta.decode and self.options.gemma_qkv_epilogue)
 
     def post_args(self, index: int, step: Step) -> tuple:
         layer, lin = self.text.layers[index], self.linear

@@ -212,7 +212,8 @@ class Qwen3_5Forward(DecoderForward):
         args = (mixed, z, beta, g, attn.conv1d.weight.squeeze(1), attn.norm.weight, pools["conv"],
                 pools["recurrent"], meta.seq_slots, heads, self.eps)
         if meta.decode:
-            fla = gdn.use_fla(mixed, self.linear_backend) and gdn.fla_decode_kernel() is not None
+            fla = (self.options.fla_decode and gdn.use_fla(mixed, self.linear_backend)
+                   and gdn.fla_decode_kernel() is not None)
             return self._fn(linear_attention_decode, self._eager(meta))(*args, fla)
         return linear_attention_prefill(*args, meta.positions, meta.cu_seqlens, self.linear_backend)
 
