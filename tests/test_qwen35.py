@@ -166,9 +166,10 @@ def _kda_reference(q, k, v, g, beta, initial_state, inplace_final_state, ssm_sta
 
 def test_fla_decode_wiring_matches_torch_step(monkeypatch):
     """The decode step's fla path (key heads unrepeated, the per-head decay repeated over the key
-    channels, states updated in place at their slots) against the torch step, with fla's kernel
-    replaced by a torch transcription of what it computes (`_kda_reference`; the GPU test below
-    runs fla's own)."""
+    channels, states updated in place at their slots), eager and compiled by Inductor as the
+    engine compiles it (the op's in-place write must reach the pool), against the torch step,
+    with fla's kernel replaced by a torch transcription of what it computes (`_kda_reference`;
+    the GPU tests below run fla's own)."""
     from flexrollout.layers import gated_delta as gd
     from flexrollout.models.qwen3_5 import linear_attention_decode
 
@@ -185,14 +186,16 @@ def test_fla_decode_wiring_matches_torch_step(monkeypatch):
     rec_pool = torch.randn(5, value_heads, dk, dv, generator=gen)
     slots = torch.tensor([4, 0, 2])
     heads = (key_heads, dk, value_heads, dv)
+    compiled = torch.compile(linear_attention_decode, fullgraph=True, dynamic=True)
     results = []
-    for fla in (False, True):
+    for fn, fla in ((linear_attention_decode, False), (linear_attention_decode, True), (compiled, True)):
         pools = conv_pool.clone(), rec_pool.clone()
-        out = linear_attention_decode(mixed, z, beta, g, conv_w, norm_w, *pools, slots, heads, 1e-6, fla)
+        out = fn(mixed, z, beta, g, conv_w, norm_w, *pools, slots, heads, 1e-6, fla)
         results.append((out, *pools))
-    for torch_side, fla_side in zip(*results):
-        assert (torch_side - fla_side).abs().max() < 1e-5
-    assert torch.equal(results[1][2][[1, 3]], rec_pool[[1, 3]])        # other slots untouched
+    for fla_run in results[1:]:
+        for torch_side, fla_side in zip(results[0], fla_run):
+            assert (torch_side - fla_side).abs().max() < 1e-5
+        assert torch.equal(fla_run[2][[1, 3]], rec_pool[[1, 3]])        # other slots untouched
 
 
 def test_bad_linear_backend_is_a_clear_error():
