@@ -79,8 +79,9 @@
 #                Gemma-4's q/k/v epilogue kernel (`gemma_qkv_epilogue`), both off by default until
 #                this runs: their GPU tests, then Qwen3.5-4B decode 1 / 8 / 64 and Gemma-4-E2B 1 / 8
 #                with each off and on (about 9 minutes)
-#   fourteenth : what live LoRA's fused shrink costs at 2 / 4 / 8 / 16 / 32 K slices per adapter (lora_sweep.py,
-#                1 and 8 rows), the 4-bit GEMV designs at one row (carry .whl)
+#   fourteenth : what live LoRA's fused shrink costs at 2 / 4 / 8 / 16 / 32 K slices per adapter, and with
+#                B (s A x) added in the last K slice instead of the first (lora_sweep.py, 1 and 8
+#                rows), the 4-bit GEMV designs at one row (carry .whl)
 #   designs2 : (carry .whl) the 4-bit GEMV designs (code looked up by warp shuffle or prmt) at 1 / 8
 #              rows, each best tiling's kernel alone too
 #   twelfth : (carry .whl with fla) Qwen3.5-4B decode 1 / 8 / 64 against HF, Qwen3-4B's batch-1

@@ -68,18 +68,21 @@ def measure(name: str, rows: int, rank: int, splits: list[int]) -> dict:
     return row
 
 
-FUSED = {"fused": (sl.SHRINK_SPLIT, True), "fused_no_prefetch": (sl.SHRINK_SPLIT, False),
-         "fused2": (2, True), "fused4": (4, True), "fused8": (8, True), "fused32": (32, True)}
+FUSED = {"fused": (sl.SHRINK_SPLIT, True, False), "fused_no_prefetch": (sl.SHRINK_SPLIT, False, False),
+         "fused_expand_last": (sl.SHRINK_SPLIT, True, True),
+         "fused2": (2, True, False), "fused4": (4, True, False), "fused8": (8, True, False),
+         "fused32": (32, True, False)}
 
 
 def _fused(row, x, weights, lora_a, lora_b, scales, silu, tile, pad) -> None:
     """The GEMV launch computing s A x in its own first programs (no shrink launch), at
-    several K slices per adapter, with B's tiles loaded before the K loop or after it."""
-    for name, (parts, prefetch) in FUSED.items():
+    several K slices per adapter, with B's tiles loaded before the K loop or after it, and
+    B (s A x) added in the first K slice (the engine's) or the last."""
+    for name, (parts, prefetch, last) in FUSED.items():
         try:
-            row[f"{name}_us"] = _time(lambda i, p=parts, f=prefetch: sl.launch(
+            row[f"{name}_us"] = _time(lambda i, p=parts, f=prefetch, e=last: sl.launch(
                 x, *(weights[i] + pad), silu, tile, pdl=True, lora=(None, *lora_b[i]),
-                lora_a=(*lora_a[i], scales), shrink_split=p, prefetch_b=f))
+                lora_a=(*lora_a[i], scales), shrink_split=p, prefetch_b=f, expand_last=e))
         except (OutOfResources, CompilationError) as error:   # a tiling that does not fit
             print(f"{row['group']} {name} at {x.shape[0]} rows failed: {error!r:.200}", flush=True)
             row[f"{name}_us"] = float("nan")

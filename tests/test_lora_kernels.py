@@ -50,11 +50,13 @@ _CHECK = textwrap.dedent("""
         err = ((cpu.double().sum(0) - ref).norm() / ref.norm()).item()
         assert err < tol, ("reference", case_index, err)
         # The fused shrink: the launch's first programs compute s A x (16 or 3 K slices), its
-        # GEMV programs wait for them; both counters are back at zero after the launch.
-        for parts, prefetch in ((sl.SHRINK_SPLIT, True), (3, False)):
+        # GEMV programs wait for them (in the first K slice, or the last); both counters are
+        # back at zero after the launch.
+        for parts, prefetch, last in ((sl.SHRINK_SPLIT, True, False), (3, False, False),
+                                      (sl.SHRINK_SPLIT, True, True)):
             fused = sl.launch(x, *(ws + pad), silu, tile, lora=(None, *(b_s + pad)),
                               lora_a=(*(a_s + pad), scales + [0.0] * len(pad)),
-                              shrink_split=parts, prefetch_b=prefetch)
+                              shrink_split=parts, prefetch_b=prefetch, expand_last=last)
             err = ((fused.double().sum(0) - ref).norm() / ref.norm()).item()
             assert err < tol, ("fused", parts, case_index, err)
             assert sl.sync_counters(x.device).tolist() == [0, 0]

@@ -185,12 +185,14 @@ def _tiling_of(x, w0, w1, w2, silu_mul: bool) -> Tiling:
 
 def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
            lora: tuple | None = None, act: str = "silu", lora_a: tuple | None = None,
-           shrink_split: int = SHRINK_SPLIT, prefetch_b: bool = True) -> torch.Tensor:
+           shrink_split: int = SHRINK_SPLIT, prefetch_b: bool = True,
+           expand_last: bool = False) -> torch.Tensor:
     """Run the Triton kernel (CUDA, or Triton's interpreter on CPU tensors in tests).
     `pdl`: launch with programmatic dependent launch (Hopper on). `lora`: (low_rank, b0, b1,
     b2) and `act` as `small_linear` takes them; with `lora_a` (a0, a1, a2, scalings) low_rank
     may be None: the launch's first programs compute it, in up to `shrink_split` K slices per
-    adapter. `prefetch_b`: load the B tiles before the K loop."""
+    adapter. `prefetch_b`: load the B tiles before the K loop. `expand_last`: add B (s A x) in
+    the last K slice, not the first (benchmarks/lora_sweep.py measures both)."""
     import triton
 
     m, k = x.shape
@@ -222,7 +224,8 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
         BLOCK_K=tile.block_k, SILU_MUL=silu_mul, IEEE=x.dtype == torch.float32, PDL=pdl,
         LORA=low_rank is not None, R=r_block, LA_SPLIT=la.shape[0] if low_rank is not None else 1,
         GELU=act == "gelu_tanh", SHRINK_PROGRAMS=programs,
-        SLOTS=1 if shrink is None else shrink.slots, PREFETCH_B=prefetch_b and low_rank is not None)
+        SLOTS=1 if shrink is None else shrink.slots, PREFETCH_B=prefetch_b and low_rank is not None,
+        EXPAND_LAST=expand_last)
     launch_fitting(_kernel(), (programs + sum(blocks), tile.split), args, consts, tile.warps,
                    tile.stages, x.device, **extra)
     return out

@@ -91,10 +91,13 @@ def _gemv_block(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, M, K, K_PER, N0, N1, N2,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SILU_MUL: tl.constexpr, precision: tl.constexpr,
                 LORA: tl.constexpr, R: tl.constexpr, LA_SPLIT: tl.constexpr,
-                GELU: tl.constexpr, SHRINK_PROGRAMS: tl.constexpr, PREFETCH_B: tl.constexpr):
-    """One output block of one K slice: W x over the slice, plus B (s A x) in slice 0."""
+                GELU: tl.constexpr, SHRINK_PROGRAMS: tl.constexpr, PREFETCH_B: tl.constexpr,
+                EXPAND_LAST: tl.constexpr):
+    """One output block of one K slice: W x over the slice, plus B (s A x) in one slice: the
+    first, or with EXPAND_LAST the last (launched last, when the shrink has long finished)."""
     pid_n = tl.program_id(0) - SHRINK_PROGRAMS
     pid_k = tl.program_id(1)
+    expand_slice = tl.num_programs(1) - 1 if EXPAND_LAST else 0
     # Which matrix this program's output block belongs to, where its columns start, and its
     # adapter (B, rank, slot of the low-rank intermediate).
     if pid_n < BLOCKS0:
@@ -111,10 +114,10 @@ def _gemv_block(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, M, K, K_PER, N0, N1, N2,
     offs_r = tl.arange(0, R)
     if LORA and PREFETCH_B:
         # B's tiles load before the K loop, so their latency hides behind it (slice 0 only).
-        b_mask = (rows[:, None] < n_rows) & (offs_r[None, :] < rank) & (pid_k == 0)
+        b_mask = (rows[:, None] < n_rows) & (offs_r[None, :] < rank) & (pid_k == expand_slice)
         b_first = tl.load(b_ptr + rows[:, None] * rank + offs_r[None, :], mask=b_mask, other=0.0)
         if SILU_MUL:
-            b_up_mask = (rows[:, None] < n_rows) & (offs_r[None, :] < R1) & (pid_k == 0)
+            b_up_mask = (rows[:, None] < n_rows) & (offs_r[None, :] < R1) & (pid_k == expand_slice)
             b_up = tl.load(b1_ptr + rows[:, None] * R1 + offs_r[None, :], mask=b_up_mask,
                            other=0.0)
     # Weights are the A operand (BLOCK_N x BLOCK_K), the few input rows the B operand:
@@ -133,10 +136,10 @@ def _gemv_block(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, M, K, K_PER, N0, N1, N2,
             up = tl.load(w1_ptr + w_offs, mask=w_mask, other=0.0)
             acc_up += tl.dot(up, tl.trans(x), input_precision=precision)
     if LORA:  # noqa: SIM102 (compile-time branch around a runtime one)
-        # The adapter's B (s A x) joins the fp32 sums once (in the first K slice), before
-        # the epilogue: the partials' consumers and SiLU-mul see base + delta. Columns past
+        # The adapter's B (s A x) joins the fp32 sums once (in one K slice), before the
+        # epilogue: the partials' consumers and SiLU-mul see base + delta. Columns past
         # `rank` (and slots without an adapter, rank 0) are masked out of both operands.
-        if pid_k == 0:
+        if pid_k == expand_slice:
             if SHRINK_PROGRAMS > 0:
                 # The fused shrink's programs (launched first) must all have stored.
                 done = tl.atomic_add(sync_ptr, 0, sem="acquire")
@@ -192,7 +195,8 @@ def small_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, M, K, K_PER, N0,
                         SILU_MUL: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
                         LORA: tl.constexpr, R: tl.constexpr, LA_SPLIT: tl.constexpr,
                         GELU: tl.constexpr, SHRINK_PROGRAMS: tl.constexpr,
-                        SLOTS: tl.constexpr, PREFETCH_B: tl.constexpr):
+                        SLOTS: tl.constexpr, PREFETCH_B: tl.constexpr,
+                        EXPAND_LAST: tl.constexpr = False):
     precision: tl.constexpr = "ieee" if IEEE else "tf32"
     if PDL:
         # Launched early (PDL): x is the previous kernel's output; wait until it is written.
@@ -208,4 +212,4 @@ def small_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, M, K, K_PER, N0,
                     BLOCKS1, stride_xm, stride_split, stride_om, la_ptr, b0_ptr, b1_ptr,
                     b2_ptr, R0, R1, R2, stride_la_split, stride_la_m, sync_ptr,
                     BLOCK_M, BLOCK_N, BLOCK_K, SILU_MUL, precision, LORA, R, LA_SPLIT,
-                    GELU, SHRINK_PROGRAMS, PREFETCH_B)
+                    GELU, SHRINK_PROGRAMS, PREFETCH_B, EXPAND_LAST)
