@@ -1,4 +1,4 @@
-"""Research bench for the 4-bit GEMV (issue #22): a design that looks the code up in registers
+"""Research bench for the 4-bit GEMV (issue #22): designs that look the code up in registers
 against the engine's kernel (`kernels/gemv_4bit.py`), bitsandbytes' `matmul_4bit` and bf16 cuBLAS,
 at Qwen3-4B's q/k/v and down shapes (gate/up on request), NF4 with double quantisation, 1 / 4 / 8 rows.
 
@@ -17,8 +17,16 @@ The design here (`gemv_4bit_lut`) spends about 7:
 - The absmax scale is applied once per (row, word), after the word's eight products are summed.
 - The weight each product sees is code (in fp16, 2^-11 relative) x absmax (fp32), not rounded
   to bf16 as bitsandbytes' weight is (2^-9): the error is below bitsandbytes' own, not equal to it.
+On an H100 (2026-12-06) it was right (2.3e-3 against bitsandbytes' 3.5e-3) and beat bitsandbytes
+at 4 rows, but not at 1 (15.7 against 12.2 us for q/k/v) or 8: its loop is integer-bound (4.6 of
+the 7 are integer instructions, which Hopper issues at half rate).
+
+So each tiling also runs with the code looked up by warp shuffle (`SHFL`): lane i holds
+code[i % 16] in fp32, and one `shfl.sync.idx` per weight reads it, after one shift of the word
+(about 2.2 integer instructions per weight, compiled for sm_90 on CPU; not yet timed).
 Each tiling is checked against float64 over bitsandbytes' dequantised weight, and timed from
-CUDA-graph replays over 8 weight copies; the best five print per row count.
+CUDA-graph replays over 8 weight copies; the best four print per row count, then each lookup's
+best with its kernel alone (split-K partials unsummed, as the engine's consumers take them).
 
     python benchmarks/gemv_4bit_designs.py [--rows 1,4,8] [--shapes qkv,gate_up,down]
 """
