@@ -239,7 +239,7 @@ def launch(x, packed, st, planes, block_n, kb, warps, split, shfl, x_vector=Fals
 def tilings(m: int, k: int):
     """(block_n, blocks per step, warps, K slices, shuffle lookup, x read as one vector)."""
     for block_n, kb, warps, split, shfl, x_vector in itertools.product(
-            (32, 64, 128), (1, 2), (4, 8), (2, 4, 8, 16), (True, False), (False, True)):
+            (32, 64, 128), (1, 2), (4, 8), (4, 8, 16), (True, False), (False, True)):
         if x_vector and not (shfl and m == 1):
             continue
         if block_n * kb * 8 >= warps * 32 and block_n * kb * m <= 1024 and k >= split * kb * 64:

@@ -409,7 +409,7 @@ thirteenth)
 fourteenth)
   timeout 150 python3 benchmarks/lora_sweep.py --rows 1,8 --splits 32 2>&1 | tee -a "$out/full.log" \
     | grep -e "adds" -e "^rows" > "$out/lora_sweep.txt"
-  timeout 150 python3 benchmarks/gemv_4bit_designs.py --rows 1 2>&1 | tee -a "$out/full.log" \
+  timeout 220 python3 benchmarks/gemv_4bit_designs.py --rows 1 2>&1 | tee -a "$out/full.log" \
     | grep -v -e fail -e Warn | tail -8 > "$out/lut.txt"
   names="gpu lora_sweep lut" ;;
 designs2)
