@@ -113,7 +113,8 @@ def _gemv_block(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, M, K, K_PER, N0, N1, N2,
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, R)
     if LORA and PREFETCH_B:
-        # B's tiles load before the K loop, so their latency hides behind it (slice 0 only).
+        # B's tiles load before the K loop, so their latency hides behind it (in the one
+        # slice that adds B (s A x)).
         b_mask = (rows[:, None] < n_rows) & (offs_r[None, :] < rank) & (pid_k == expand_slice)
         b_first = tl.load(b_ptr + rows[:, None] * rank + offs_r[None, :], mask=b_mask, other=0.0)
         if SILU_MUL:

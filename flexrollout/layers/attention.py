@@ -27,10 +27,8 @@ def attention_inputs(x: torch.Tensor, ln_w: torch.Tensor, q: Linear, k: Linear, 
     projections = [q, k, v]
     outputs = project_group(h, projections, kernels)
     if decode and epilogue_fits(h, outputs, projections, qn_w, norm_style, head_dim, k_cache, kernels):
-        partials = outputs[0].dim() == 3        # biases still to add (a full output has its own)
-        biases = [p.bias if partials else None for p in projections]
-        return epilogue.qkv_epilogue(*outputs, *biases, qn_w, kn_w, cos, sin, k_cache, v_cache,
-                                     slot_mapping, eps, num_heads, num_kv_heads)
+        return run_epilogue(outputs, projections, qn_w, kn_w, cos, sin, k_cache, v_cache, slot_mapping,
+                            eps, num_heads, num_kv_heads)
     qs, ks, vs = finish_group(outputs, projections, h.dtype)
     tokens = h.shape[0]
     qs = qs.reshape(tokens, num_heads, head_dim)
@@ -41,6 +39,18 @@ def attention_inputs(x: torch.Tensor, ln_w: torch.Tensor, q: Linear, k: Linear, 
     qs, ks = apply_rope(qs, cos, sin), apply_rope(ks, cos, sin)
     store_kv(k_cache, v_cache, ks, vs, slot_mapping)
     return qs
+
+
+def run_epilogue(outputs, projections, qn_w, kn_w, cos, sin, k_cache, v_cache, slot_mapping,
+                 eps: float, num_heads: int, num_kv_heads: int, gemma: bool = False) -> torch.Tensor:
+    """The q/k/v epilogue kernel over `project_group`'s outputs, adding the biases where they
+    are partials (a full output has its own); `gemma`: fp32-style q/k norms and a weightless
+    v norm. Returns the queries."""
+    partials = outputs[0].dim() == 3
+    biases = [p.bias if partials else None for p in projections]
+    return epilogue.qkv_epilogue(*outputs, *biases, qn_w, kn_w, cos, sin, k_cache, v_cache,
+                                 slot_mapping, eps, num_heads, num_kv_heads, norm_fp32=gemma,
+                                 v_norm=gemma)
 
 
 def epilogue_fits(h, outputs, projections, qn_w, norm_style: str, head_dim: int,

@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.kv_cache import store_kv
-from ..kernels.qkv_epilogue import qkv_epilogue
-from ..layers.attention import epilogue_fits
+from ..layers.attention import epilogue_fits, run_epilogue
 from ..layers.linear import (
     Kernels,
     Linear,
@@ -66,10 +65,8 @@ def attention_inputs(x: torch.Tensor, ln_w: torch.Tensor, q: Linear, k: Linear, 
     if v is None:           # V reads k_proj's output: the epilogue takes it as a third source
         outputs, projections = [*outputs, outputs[1]], [q, k, k]
     if epilogue and epilogue_fits(h, outputs, projections, qn_w, FP32, head_dim, k_cache, kernels):
-        partials = outputs[0].dim() == 3
-        biases = [p.bias if partials else None for p in projections]
-        return qkv_epilogue(*outputs, *biases, qn_w, kn_w, cos, sin, k_cache, v_cache, slot_mapping, eps,
-                            num_heads, num_kv_heads, norm_fp32=True, v_norm=True)
+        return run_epilogue(outputs, projections, qn_w, kn_w, cos, sin, k_cache, v_cache, slot_mapping,
+                            eps, num_heads, num_kv_heads, gemma=True)
     outputs = finish_group(outputs, projections, h.dtype)
     tokens = h.shape[0]
     ks = outputs[1].reshape(tokens, num_kv_heads, head_dim)

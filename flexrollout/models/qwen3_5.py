@@ -218,13 +218,16 @@ class Qwen3_5Forward(DecoderForward):
         return linear_attention_prefill(*args, meta.positions, meta.cu_seqlens, self.linear_backend)
 
 
-def split_heads(conv_out: torch.Tensor, heads: tuple[int, int, int, int]):
-    """q, k (T, Hv, dk) (each key head repeated for its group of value heads), v (T, Hv, dv);
+def split_heads(conv_out: torch.Tensor, heads: tuple[int, int, int, int], repeat_keys: bool = True):
+    """q, k (T, Hv, dk) (each key head repeated for its group of value heads; with
+    `repeat_keys=False` (T, Hk, dk), for kernels that map the groups themselves), v (T, Hv, dv);
     `heads` = (Hk, dk, Hv, dv)."""
     key_heads, dk, value_heads, dv = heads
     tokens = conv_out.shape[0]
     q, k, v = conv_out.split([key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
-    q, k = (x.reshape(tokens, key_heads, dk).repeat_interleave(value_heads // key_heads, dim=1) for x in (q, k))
+    q, k = (x.reshape(tokens, key_heads, dk) for x in (q, k))
+    if repeat_keys:
+        q, k = (x.repeat_interleave(value_heads // key_heads, dim=1) for x in (q, k))
     return q, k, v.reshape(tokens, value_heads, dv)
 
 
@@ -236,11 +239,8 @@ def linear_attention_decode(mixed, z, beta, g, conv_w, norm_w, conv_pool, rec_po
     conv_out, history = gdn.conv_decode(mixed, conv_w, conv_pool.index_select(0, slots))
     conv_pool.index_copy_(0, slots, history)
     if fla:
-        key_heads, dk, value_heads, dv = heads
-        q, k, v = conv_out.split([key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
-        rows = conv_out.shape[0]
-        out = gdn.fla_decode_step(q.reshape(rows, key_heads, dk), k.reshape(rows, key_heads, dk),
-                                  v.reshape(rows, value_heads, dv), g, beta, rec_pool, slots)
+        q, k, v = split_heads(conv_out, heads, repeat_keys=False)
+        out = gdn.fla_decode_step(q, k, v, g, beta, rec_pool, slots)
     else:
         q, k, v = split_heads(conv_out, heads)
         out, state = gdn.recurrent_step(q, k, v, g, beta, rec_pool.index_select(0, slots))
