@@ -82,6 +82,7 @@
 #   fourteenth : what live LoRA's fused shrink costs at 2 / 4 / 8 / 16 / 32 K slices per adapter, and with
 #                B (s A x) added in the last K slice instead of the first (lora_sweep.py, 1 and 8
 #                rows), the 4-bit GEMV designs at one row (carry .whl)
+#   gemma_big : Gemma-4-26B-A4B and 31B decode at 1 / 8 / 64 against their rooflines and HF (about 9 minutes)
 #   designs2 : (carry .whl) the 4-bit GEMV designs (code looked up by warp shuffle or prmt) at 1 / 8
 #              rows, each best tiling's kernel alone too
 #   twelfth : (carry .whl with fla) Qwen3.5-4B decode 1 / 8 / 64 against HF, Qwen3-4B's batch-1
@@ -398,13 +399,13 @@ lut)
   names="gpu lut e2b_profile" ;;
 thirteenth)
   gputest 240 tests/test_qwen35.py tests/test_fused_kernels.py tests/test_gemma4.py \
-    -k "fla_decode or on_cuda or with_qkv_epilogue" | tail -8 > "$out/tests.txt"
-  for a in '{}' '{"fla_decode": true}'; do echo "== $a"
-    bench 130 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --engine-args "$a" | tail -4; done \
-    > "$out/qwen35.txt"
-  for a in '{}' '{"gemma_qkv_epilogue": true}'; do echo "== $a"
-    bench 110 --preset gemma-4-e2b --batch-sizes 1,8 --workload decode --engine-args "$a" | tail -3; done \
-    > "$out/e2b.txt"
+    -k "fla_decode or on_cuda or (with_qkv_epilogue and e2b)" | tail -8 > "$out/tests.txt"
+  i=0; for a in '{}' '{"fla_decode": true}'; do echo "== $a"; i=$((i + 1))
+    bench 130 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --engine-args "$a" \
+      --json "$out/qwen35-$i.json" | tail -4; done > "$out/qwen35.txt"
+  i=0; for a in '{}' '{"gemma_qkv_epilogue": true}'; do echo "== $a"; i=$((i + 1))
+    bench 110 --preset gemma-4-e2b --batch-sizes 1,8 --workload decode --engine-args "$a" \
+      --json "$out/e2b-$i.json" | tail -3; done > "$out/e2b.txt"
   names="gpu tests qwen35 e2b" ;;
 fourteenth)
   timeout 150 python3 benchmarks/lora_sweep.py --rows 1,8 --splits 32 2>&1 | tee -a "$out/full.log" \
@@ -412,6 +413,14 @@ fourteenth)
   timeout 220 python3 benchmarks/gemv_4bit_designs.py --rows 1 2>&1 | tee -a "$out/full.log" \
     | grep -v -e fail -e Warn | tail -8 > "$out/lut.txt"
   names="gpu lora_sweep lut" ;;
+gemma_big)
+  # Gemma-4-26B-A4B and 31B (random bf16 weights, real sizes) against their rooflines and HF.
+  # On an H100 the 31B's 62 GB of weights leave too little KV cache for 64 rows of 384 tokens.
+  for run in gemma-4-26b-a4b:1,8,64 gemma-4-31b:1,8; do preset=${run%%:*}
+    bench 280 --preset $preset --batch-sizes ${run#*:} --workload decode --compare hf --hf-max-tokens 8 \
+      --gpu-memory-utilization 0.2 --json "$out/$preset.json" | tail -6 > "$out/$preset.txt"
+  done
+  names="gpu gemma-4-26b-a4b gemma-4-31b" ;;
 designs2)
   timeout 300 python3 benchmarks/gemv_4bit_designs.py --rows 1,8 2>&1 | tee -a "$out/full.log" \
     | grep -v -e fail -e Warn | tail -14 > "$out/lut.txt"
