@@ -56,7 +56,7 @@ def build_llm(args, device: str) -> LLM:
     return LLM(model, tokenizer=None, skip_tokenizer_init=True, dtype=args.dtype,
                max_model_len=args.max_len, max_num_seqs=max_seqs,
                max_num_batched_tokens=max(256, args.prompt_len * max_seqs), seed=0,
-               static_weight_shapes=not args.symbolic_weights)
+               static_weight_shapes=args.weight_shapes)
 
 
 def force_compile(llm: LLM, backend: str) -> None:
@@ -122,8 +122,8 @@ def parse_args(argv=None):
     p.add_argument("--backend", default="inductor", help="torch.compile backend (eager: fast counting)")
     p.add_argument("--device", default=None)
     p.add_argument("--verbose", action="store_true", help="also log every recompile's full reason")
-    p.add_argument("--symbolic-weights", action="store_true",
-                   help="LLM(static_weight_shapes=False): weight shapes traced as symbols")
+    p.add_argument("--weight-shapes", default="decode", choices=("always", "decode", "never"),
+                   help="LLM(static_weight_shapes=...): which steps trace weight shapes as constants")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     return args

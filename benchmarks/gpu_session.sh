@@ -77,8 +77,11 @@
 #         batch-1 step goes (profile)
 #   thirteenth : (carry .whl) Qwen3.5's decode through fla's in-place recurrent kernel (`fla_decode`) and
 #                Gemma-4's q/k/v epilogue kernel (`gemma_qkv_epilogue`), both off by default until
-#                this runs: their GPU tests, then Qwen3.5-4B decode 1 / 8 / 64 and Gemma-4-E2B 1 / 8
-#                with each off and on (about 9 minutes)
+#                this runs: their GPU tests, then Qwen3.5-4B decode 1 / 8 / 64 with fla_decode off
+#                and on (about 7 minutes)
+#   e2b_ab : Gemma-4-E2B decode 1 / 8 from empty compile caches, weight shapes constant everywhere
+#            (the old default) against the new default (prefill symbolic) with gemma_qkv_epilogue
+#            (about 5 minutes)
 #   fourteenth : what live LoRA's fused shrink costs at 2 / 4 / 8 / 16 / 32 K slices per adapter, and with
 #                B (s A x) added in the last K slice instead of the first (lora_sweep.py, 1 and 8
 #                rows), the 4-bit GEMV designs at one row (carry .whl)
@@ -88,7 +91,7 @@
 #   twelfth : (carry .whl with fla) Qwen3.5-4B decode 1 / 8 / 64 against HF, Qwen3-4B's batch-1
 #             decode profile without and with a live r=32 adapter on all seven projections
 #   gemma_startup : Gemma-4-E2B decode 1 / 8 / 64 from cold compile caches with weight shapes traced
-#                   as constants (default) and as symbols (static_weight_shapes=False: 20 -> 11
+#                   as constants and as symbols (static_weight_shapes False / "never": 20 -> 11
 #                   compiles at 10 layers on CPU): start-up against tok/s
 out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
@@ -403,10 +406,16 @@ thirteenth)
   i=0; for a in '{}' '{"fla_decode": true}'; do echo "== $a"; i=$((i + 1))
     bench 130 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --engine-args "$a" \
       --json "$out/qwen35-$i.json" | tail -4; done > "$out/qwen35.txt"
-  i=0; for a in '{}' '{"gemma_qkv_epilogue": true}'; do echo "== $a"; i=$((i + 1))
-    bench 110 --preset gemma-4-e2b --batch-sizes 1,8 --workload decode --engine-args "$a" \
+  names="gpu tests qwen35" ;;
+e2b_ab)
+  # From empty compile caches each: the old weight-shape default against the new one (prefill
+  # symbolic: start-up) with Gemma's q/k/v epilogue (decode; weight shapes constant in both).
+  i=0; for a in '{"static_weight_shapes": "always"}' '{"gemma_qkv_epilogue": true}'; do
+    echo "== $a"; i=$((i + 1)); rm -rf /tmp/cold-inductor /tmp/cold-triton
+    TORCHINDUCTOR_CACHE_DIR=/tmp/cold-inductor TRITON_CACHE_DIR=/tmp/cold-triton \
+      bench 170 --preset gemma-4-e2b --batch-sizes 1,8 --workload decode --engine-args "$a" \
       --json "$out/e2b-$i.json" | tail -3; done > "$out/e2b.txt"
-  names="gpu tests qwen35 e2b" ;;
+  names="gpu e2b" ;;
 fourteenth)
   timeout 150 python3 benchmarks/lora_sweep.py --rows 1,8 --splits 32 2>&1 | tee -a "$out/full.log" \
     | grep -e "adds" -e "^rows" > "$out/lora_sweep.txt"

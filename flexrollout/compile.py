@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import types
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -35,6 +36,20 @@ def compiled(fn, dynamo_config: dict | None = None, **options):
             return compiled_fn(*args, **kwargs)
 
     return call
+
+
+def separate_cache(fn, suffix: str):
+    """`fn` under its own code object, named `<name>_<suffix>`. Dynamo keeps compiled entries
+    per code object, and two torch.compile wrappers of one function with the same backend share
+    them: a call takes whichever entry's guards pass, though it was compiled under the other
+    wrapper's settings (a symbolic-shape entry passes every width). A separate code object
+    keeps each wrapper's compiles its own."""
+    name = f"{fn.__name__}_{suffix}"
+    names = {"co_name": name, **({"co_qualname": name} if hasattr(fn.__code__, "co_qualname") else {})}
+    code = fn.__code__.replace(**names)
+    copy = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
 
 
 def deepest_fitting(run: Callable[[int], T], asked: int, key, fitted: dict,

@@ -8,6 +8,10 @@ import torch
 from .kernels.small_linear import LAUNCH_MAX_ROWS as GEMV_LAUNCH_ROWS
 from .kernels.small_linear import MAX_ROWS as GEMV_MAX_ROWS
 
+# `static_weight_shapes` values -> which steps trace weight shapes as constants.
+WEIGHT_SHAPE_MODES = {"always": "always", "decode": "decode", "never": "never", True: "always",
+                      False: "never"}
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -104,14 +108,16 @@ class EngineConfig:
     # it (decode still replays CUDA graphs). On: Qwen3-4B NF4 decode measured 1.31 / 1.13 / 1.13x
     # the uncompiled layers' tok/s at batch 1 / 8 / 64 (H100, same run, 2026-12-06).
     compile_4bit: bool = True
-    # Layer functions trace the weights' shapes as constants (dynamo's default): each layer
-    # kind of another width compiles apart. False: the shapes are symbolic, so one compile serves
+    # Which layer functions trace the weights' shapes as constants (dynamo's default), so each
+    # layer kind of another width compiles apart: "always", "decode" (prefill traces them as
+    # symbols), "never" (True / False mean "always" / "never"). Symbols let one compile serve
     # layers of different widths (Gemma-4's head dims of 256 and 512, its double-wide MLPs):
-    # E2B at 10 layers compiles 11 times instead of 20 (CPU count, benchmarks/compile_count.py),
-    # and Inductor generates kernels for symbolic widths. H100, E2B from empty caches: start-up
-    # 45.1 s -> 28.5 s, decode 6% slower at batch 8 and 64 (BENCHMARKS.md, eighth session).
-    # Decoding for hours outweighs 16 s once, so True stays the default.
-    static_weight_shapes: bool = True
+    # E2B at 10 layers compiles 11 times instead of 20 (CPU count, benchmarks/compile_count.py).
+    # H100, E2B from empty caches, "never" against "always": start-up 45.1 s -> 28.5 s, decode
+    # 6% slower at batch 8 and 64 (BENCHMARKS.md, eighth session). Decode steps replay for hours,
+    # so they keep constant shapes; a prefill's projections are cuBLAS calls either way, and
+    # start-up (its first prefill) is where compile time shows.
+    static_weight_shapes: bool | str = "decode"
     # vLLM's names: with enable_lora, the KV cache leaves room for a full adapter table
     # (max_loras slots of rank max_lora_rank); an adapter of a larger rank still runs.
     enable_lora: bool = False
@@ -167,6 +173,10 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "flex", "reference"):
             raise ValueError("attention_backend must be 'auto', 'flex' or 'reference', "
                              f"got {self.attention_backend!r}")
+        if not isinstance(self.static_weight_shapes, (bool, str)) or \
+                self.static_weight_shapes not in WEIGHT_SHAPE_MODES:
+            raise ValueError("static_weight_shapes must be 'always', 'decode', 'never', True or "
+                             f"False, got {self.static_weight_shapes!r}")
         if self.num_kv_pages is not None and self.num_kv_pages < 2:
             raise ValueError("num_kv_pages must be >= 2 (page 0 is reserved for padding)")
 

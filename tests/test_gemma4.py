@@ -359,11 +359,13 @@ def test_unsloth_fast_inference_on_the_wrapper_generates_like_hf(hf_greedy):
 
 
 # --------------------------------------------------------------------------------------------- compiles
-def _layer_compiles(num_layers: int, static_weight_shapes: bool = True):
+def _layer_compiles(num_layers: int, static_weight_shapes: str = "always"):
     """(compiles of each layer function, tokens, the same engine's tokens uncompiled) while a
     tiny E2B-layout model of `num_layers` (sliding / full alternating, the last two reading KV,
-    double-wide MLPs and per-layer inputs) prefills and decodes batches of 1 and 3 with its
-    layer functions compiled. The "eager" backend: dynamo's guards decide recompiles whatever
+    double-wide MLPs and per-layer inputs; no projection as wide as the hidden size, a relation
+    symbolic shapes would guard on) prefills and decodes batches of 1 and 3 with its
+    layer functions compiled, weight shapes traced as `static_weight_shapes` says (compiles with
+    symbolic shapes under the function's name + "_symbolic"). The "eager" backend: dynamo's guards decide recompiles whatever
     the backend, and it traces in seconds."""
     from dataclasses import replace
 
@@ -371,7 +373,7 @@ def _layer_compiles(num_layers: int, static_weight_shapes: bool = True):
     from transformers import AutoModelForCausalLM, Gemma4TextConfig
 
     config = Gemma4TextConfig(
-        vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
+        vocab_size=TINY_VOCAB, hidden_size=48, num_hidden_layers=num_layers, num_attention_heads=4,
         num_key_value_heads=1, intermediate_size=128, head_dim=16, global_head_dim=32,
         sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
         hidden_size_per_layer_input=8, vocab_size_per_layer_input=TINY_VOCAB, num_kv_shared_layers=2,
@@ -416,13 +418,32 @@ def test_layer_functions_compile_per_layer_kind_not_per_layer():
 
 
 def test_symbolic_weight_shapes_compile_fewer_times_with_the_same_tokens():
-    """`LLM(static_weight_shapes=False)`: weight shapes traced as symbols, so layers of other
+    """`LLM(static_weight_shapes="never")`: weight shapes traced as symbols, so layers of other
     widths (head dims 16 / 32 here, double-wide MLPs) share compiles: fewer in all than with
     constant shapes, and the same tokens as uncompiled."""
     static, _, _ = _layer_compiles(10)
-    counts, tokens, uncompiled = _layer_compiles(10, static_weight_shapes=False)
+    counts, tokens, uncompiled = _layer_compiles(10, static_weight_shapes="never")
     assert tokens == uncompiled
     assert sum(counts.values()) < sum(static.values()), (counts, static)
+
+
+def test_default_prefill_symbolic_decode_constant_weight_shapes():
+    """The default, "decode": prefill compiles with symbolic weight shapes (fewer compiles before
+    the first token) and decode with constant ones, each under its own entries. Two wrappers of
+    one function would share dynamo's entries (a symbolic one passes every width's guards), so
+    decode would run prefill's symbolic compiles: here decode's fused region compiles exactly
+    as often as with constant shapes everywhere, the first layer's `pre` compiles for decode
+    apart from prefill's, and prefill compiles fewer times than with constant shapes."""
+    static, _, _ = _layer_compiles(10)
+    counts, tokens, uncompiled = _layer_compiles(10, static_weight_shapes="decode")
+    assert tokens == uncompiled
+    assert counts["post_then_pre"] == static["post_then_pre"], (counts, static)
+    assert counts.get("attention_inputs", 0) >= 1, counts        # decode's, with constant shapes
+    prefill = {name: n for name, n in counts.items() if name.endswith("_symbolic")}
+    assert set(prefill) == {"attention_inputs_symbolic", "shared_kv_queries_symbolic",
+                            "attention_out_mlp_symbolic"}, counts
+    decode = sum(counts.values()) - sum(prefill.values())      # the same in both modes
+    assert sum(prefill.values()) < sum(static.values()) - decode, (counts, static)
 
 
 # --------------------------------------------------------------------------------------------- real sizes

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.flex import AttentionMetadata, paged_attention
-from ..compile import compiled
+from ..compile import compiled, separate_cache
 from ..kernels import small_linear as gemv
 from ..kernels.gemv_4bit import takes_weight
 from ..kernels.lora import MAX_ROWS as LORA_MAX_ROWS
@@ -60,7 +60,8 @@ class ForwardOptions:
     lora_rows: bool = False         # LoRARequest rows' adapter terms take the LoRA kernels
     quant_rows: int = 0             # 4-bit projections up to this many rows: our Triton GEMV (0: never)
     compile_4bit: bool = True       # 4-bit layers compile around bitsandbytes' gemm_4bit op
-    static_weight_shapes: bool = True   # False: layer functions trace weight shapes as symbols
+    static_weight_shapes: str = "decode"    # which steps' layer functions trace weight shapes as
+                                            # constants: "always", "decode", "never"
     lora_kernels: bool = False      # live adapters take the LoRA kernels (CUDA)
     fused_shrink: bool = True       # the GEMV computes live adapters' s A x in its own launch
     lora_gemv_rows: int = gemv.LAUNCH_MAX_ROWS   # live-LoRA projections run the GEMV up to these rows
@@ -245,22 +246,21 @@ class DecoderForward:
         step = self._step(input_ids, meta, cache)
         hidden = self.embed(input_ids, step)
         layers = self.spec.layers
-        eager = self._eager(meta)
-        fused = meta.decode and not eager
+        fused = meta.decode and not self._eager(meta)
         mixer_in = None     # this layer's `pre` output when the previous region computed it
         for i, spec in enumerate(layers):
             fns = self.fns[i]
             if mixer_in is None:
-                mixer_in = self._fn(fns.pre, eager)(hidden, *token_rows(self.pre_args(i, step)))
+                mixer_in = self._fn(fns.pre, meta)(hidden, *token_rows(self.pre_args(i, step)))
             out = self.mix(i, spec, mixer_in, step)
             if fused and i + 1 < len(layers):
-                region = self._fn(post_then_pre, eager)
+                region = self._fn(post_then_pre, meta)
                 mixer_in, hidden = region(out, hidden, fns.post, self.post_args(i, step),
                                           self.fns[i + 1].pre, self.pre_args(i + 1, step))
                 continue
             # LoRARequest rows index the whole batch: those steps run unchunked.
             chunk = self.options.mlp_chunk if meta.lora is None else hidden.shape[0]
-            hidden = in_row_chunks(self._fn(fns.post, eager), chunk, out, hidden,
+            hidden = in_row_chunks(self._fn(fns.post, meta), chunk, out, hidden,
                                    *self.post_args(i, step))
             mixer_in = None
         return self.final_norm(hidden)
@@ -320,15 +320,22 @@ class DecoderForward:
         return (not self.options.compile_layers or past_quant_kernel
                 or (meta.lora is not None and not meta.lora.compiles))
 
-    def _fn(self, fn, eager: bool):
-        """`fn` compiled (once per function, batch dimension dynamic), or as is."""
-        if eager:
+    def _fn(self, fn, meta: AttentionMetadata):
+        """`fn` compiled (once per function and weight-shape mode, batch dimension dynamic), or
+        as is where `_eager`."""
+        if self._eager(meta):
             return fn
-        if fn not in self._compiled:
-            symbolic = {} if self.options.static_weight_shapes else {"force_parameter_static_shapes": False}
-            self._compiled[fn] = compiled(fn, symbolic, dynamic=True, fullgraph=True,
-                                          backend=self.options.compile_backend)
-        return self._compiled[fn]
+        mode = self.options.static_weight_shapes
+        static = mode == "always" or (mode == "decode" and meta.decode)
+        if (fn, static) not in self._compiled:
+            if static:
+                self._compiled[fn, static] = compiled(fn, dynamic=True, fullgraph=True,
+                                                      backend=self.options.compile_backend)
+            else:
+                self._compiled[fn, static] = compiled(
+                    separate_cache(fn, "symbolic"), {"force_parameter_static_shapes": False},
+                    dynamic=True, fullgraph=True, backend=self.options.compile_backend)
+        return self._compiled[fn, static]
 
     def _quant_states(self) -> list:
         """The quant states (`Packed4bit`) of the projections over bitsandbytes 4-bit weights;

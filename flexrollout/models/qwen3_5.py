@@ -214,7 +214,7 @@ class Qwen3_5Forward(DecoderForward):
         if meta.decode:
             fla = (self.options.fla_decode and gdn.use_fla(mixed, self.linear_backend)
                    and gdn.fla_decode_kernel() is not None)
-            return self._fn(linear_attention_decode, self._eager(meta))(*args, fla)
+            return self._fn(linear_attention_decode, meta)(*args, fla)
         return linear_attention_prefill(*args, meta.positions, meta.cu_seqlens, self.linear_backend)
 
 
