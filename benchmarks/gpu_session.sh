@@ -81,7 +81,7 @@
 #                and on (about 7 minutes)
 #   e2b_ab : Gemma-4-E2B decode 1 / 8 from empty compile caches, weight shapes constant everywhere
 #            (the old default) against the new default (prefill symbolic) with gemma_qkv_epilogue
-#            (about 5 minutes)
+#            (about 5 minutes), then the kernels ending E2B's batch-1 step in order (e2b_sequence.txt)
 #   fourteenth : what live LoRA's fused shrink costs at 2 / 4 / 8 / 16 / 32 K slices per adapter, and with
 #                B (s A x) added in the last K slice instead of the first (lora_sweep.py, 1 and 8
 #                rows), the 4-bit GEMV designs at one row (carry .whl)
@@ -415,6 +415,8 @@ e2b_ab)
     TORCHINDUCTOR_CACHE_DIR=/tmp/cold-inductor TRITON_CACHE_DIR=/tmp/cold-triton \
       bench 170 --preset gemma-4-e2b --batch-sizes 1,8 --workload decode --engine-args "$a" \
       --json "$out/e2b-$i.json" | tail -3; done > "$out/e2b.txt"
+  timeout 150 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 --sequence 90 2>&1 \
+    | tee -a "$out/full.log" | filter | tail -95 > "$out/e2b_sequence.txt"
   names="gpu e2b" ;;
 fourteenth)
   timeout 150 python3 benchmarks/lora_sweep.py --rows 1,8 --splits 32 2>&1 | tee -a "$out/full.log" \

@@ -49,6 +49,19 @@ def _kernel_times(llm, prompts, params, rows) -> tuple[dict[str, float], int]:
     return times, launches
 
 
+def _last_kernels(llm, prompts, params, rows, count: int) -> list[tuple[str, float, float]]:
+    """The last `count` GPU kernels of a generate call, in launch order: (name, microseconds,
+    idle microseconds before it). They end the last decode step (its last layers, the LM head,
+    the sampler): a layer's kernels one after another, gaps included."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False, lora_request=rows)
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)[-count - 1:]
+    return [(name, end - start, start - kernels[i][1])
+            for i, (start, end, name) in enumerate(kernels[1:])]
+
+
 def _wall(llm, prompts, params, rows) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -86,6 +99,8 @@ def main() -> None:
     parser.add_argument("--lora-requests", type=int, default=0,
                         help="rows cycle over no adapter and this many LoRARequest adapters "
                              "(rank 32, every projection), as benchmarks/lora_modes.py mixes them")
+    parser.add_argument("--sequence", type=int, default=0,
+                        help="also list the step's last this many kernels in order, with gaps")
     args = parser.parse_args()
     model = random_model(args.preset, torch.bfloat16, "cuda", 4096)
     if args.quantization:
@@ -125,6 +140,10 @@ def main() -> None:
     print("top kernels:")
     for name, us in sorted(by_name.items(), key=lambda x: -x[1])[:15]:
         print(f"  {us / steps / 1e3:8.3f} ms/step  {name[:110]}")
+    if args.sequence:
+        print(f"the last {args.sequence} kernels (us, idle us before):")
+        for name, us, gap in _last_kernels(llm, prompts, params, rows, args.sequence):
+            print(f"  {us:7.1f} {gap:6.1f}  {name[:100]}")
 
 
 if __name__ == "__main__":
