@@ -6,7 +6,7 @@ the engine picks today (`small_linear.tiling`), and for the best tiling found. T
 engine's tiling, a chain of 8 (elementwise kernel -> projection) pairs with and without
 programmatic dependent launch, as in a decode step where each projection follows a fused norm.
 
-    python benchmarks/gemv_sweep.py [OUT.json] [--shapes qkv,o] [--rows 1,8] [--engine-only]
+    python benchmarks/gemv_sweep.py [OUT.json] [--shapes qkv,o | e2b] [--rows 1,8] [--engine-only]
 """
 from __future__ import annotations
 
@@ -24,6 +24,13 @@ from flexrollout.kernels import small_linear as sl
 SHAPES = {"qkv": ([4096, 1024, 1024], 2560, False), "o": ([2560], 4096, False),
           "gate_up": ([9728, 9728], 2560, True), "down": ([2560], 9728, False),
           "lm_head": ([151936], 2560, False)}
+# Gemma-4-E2B's (hidden 1536): its matrices are small, so launch and ramp weigh more than bytes
+# (`--shapes` names them; "e2b" all of them). `2`: the double-wide MLP of its KV-sharing layers.
+E2B_SHAPES = {"e2b_qkv": ([2048, 256, 256], 1536, False), "e2b_o": ([1536], 2048, False),
+              "e2b_gate_up": ([6144, 6144], 1536, True), "e2b_gate_up2": ([12288, 12288], 1536, True),
+              "e2b_down": ([1536], 6144, False), "e2b_down2": ([1536], 12288, False),
+              "e2b_ple_gate": ([256], 1536, False), "e2b_ple_proj": ([1536], 256, False),
+              "e2b_lm_head": ([262144], 1536, False)}
 ROWS = (1, 8, 32, 64)
 
 
@@ -87,9 +94,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     results = {}
-    for name in args.shapes.split(","):
-        widths, k, silu = SHAPES[name]
-        copies = 2 if name == "lm_head" else 8
+    names = [n for name in args.shapes.split(",") for n in (E2B_SHAPES if name == "e2b" else [name])]
+    for name in names:
+        widths, k, silu = {**SHAPES, **E2B_SHAPES}[name]
+        copies = 2 if name.endswith("lm_head") else 8
         sets = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in widths]
                 for _ in range(copies)]
         gbytes = sum(widths) * k * 2 / 1e9

@@ -86,6 +86,7 @@
 #                B (s A x) added in the last K slice instead of the first (lora_sweep.py, 1 and 8
 #                rows), the 4-bit GEMV designs at one row (carry .whl)
 #   gemma_big : Gemma-4-26B-A4B and 31B decode at 1 / 8 / 64 against their rooflines and HF (about 9 minutes)
+#   e2b_gemv : the GEMV tilings swept on Gemma-4-E2B's shapes at 1 / 8 rows (about 5 minutes)
 #   designs2 : (carry .whl) the 4-bit GEMV designs (code looked up by warp shuffle or prmt) at 1 / 8
 #              rows, each best tiling's kernel alone too
 #   twelfth : (carry .whl with fla) Qwen3.5-4B decode 1 / 8 / 64 against HF, Qwen3-4B's batch-1
@@ -432,6 +433,11 @@ gemma_big)
       --gpu-memory-utilization 0.2 --json "$out/$preset.json" | tail -6 > "$out/$preset.txt"
   done
   names="gpu gemma-4-26b-a4b gemma-4-31b" ;;
+e2b_gemv)
+  # The GEMV's tilings on Gemma-4-E2B's shapes (the tiling rule came from Qwen3-4B's) at 1 / 8 rows.
+  timeout 420 python3 benchmarks/gemv_sweep.py "$out/e2b_gemv.json" --shapes e2b --rows 1,8 2>&1 \
+    | tee -a "$out/full.log" | grep -v -e skip -e Warn > "$out/e2b_gemv.txt"
+  names="gpu e2b_gemv" ;;
 designs2)
   timeout 300 python3 benchmarks/gemv_4bit_designs.py --rows 1,8 2>&1 | tee -a "$out/full.log" \
     | grep -v -e fail -e Warn | tail -14 > "$out/lut.txt"
