@@ -75,13 +75,14 @@
 #   lut : (carry .whl) the 4-bit GEMV that looks the code up with prmt in registers
 #         (gemv_4bit_designs.py) against bitsandbytes at 1 / 4 / 8 rows, then where Gemma-4-E2B's
 #         batch-1 step goes (profile)
-#   thirteenth : (carry .whl) Qwen3.5's decode through fla's in-place recurrent kernel (`fla_decode`) and
-#                Gemma-4's q/k/v epilogue kernel (`gemma_qkv_epilogue`), both off by default until
-#                this runs: their GPU tests, then Qwen3.5-4B decode 1 / 8 / 64 with fla_decode off
-#                and on (about 7 minutes)
-#   e2b_ab : Gemma-4-E2B decode 1 / 8 from empty compile caches, weight shapes constant everywhere
-#            (the old default) against the new default (prefill symbolic) with gemma_qkv_epilogue
-#            (about 5 minutes), then the kernels ending E2B's batch-1 step in order (e2b_sequence.txt)
+#   thirteenth : (carry .whl) Qwen3.5's decode through fla's in-place recurrent kernel (`fla_decode`,
+#                off by default until this runs): its GPU tests, then Qwen3.5-4B decode 1 / 8 / 64
+#                with it off and on (about 6 minutes)
+#   e2b_ab : the GPU tests of Gemma-4's q/k/v epilogue kernel (`gemma_qkv_epilogue`, off until they
+#            pass), then Gemma-4-E2B decode 1 / 8 from empty compile caches, weight shapes constant
+#            everywhere (the old default) against the new default (prefill symbolic) with the
+#            epilogue (about 8 minutes)
+#   e2b_sequence : the kernels ending E2B's batch-1 step in order, with the gaps between them
 #   fourteenth : what live LoRA's fused shrink costs at 2 / 4 / 8 / 16 / 32 K slices per adapter, and with
 #                B (s A x) added in the last K slice instead of the first (lora_sweep.py, 1 and 8
 #                rows), the 4-bit GEMV designs at one row (carry .whl)
@@ -402,8 +403,7 @@ lut)
     | filter | tail -30 > "$out/e2b_profile.txt"
   names="gpu lut e2b_profile" ;;
 thirteenth)
-  gputest 240 tests/test_qwen35.py tests/test_fused_kernels.py tests/test_gemma4.py \
-    -k "fla_decode or on_cuda or (with_qkv_epilogue and e2b)" | tail -8 > "$out/tests.txt"
+  gputest 200 tests/test_qwen35.py -k fla_decode | tail -8 > "$out/tests.txt"
   i=0; for a in '{}' '{"fla_decode": true}'; do echo "== $a"; i=$((i + 1))
     bench 130 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --engine-args "$a" \
       --json "$out/qwen35-$i.json" | tail -4; done > "$out/qwen35.txt"
@@ -411,14 +411,18 @@ thirteenth)
 e2b_ab)
   # From empty compile caches each: the old weight-shape default against the new one (prefill
   # symbolic: start-up) with Gemma's q/k/v epilogue (decode; weight shapes constant in both).
+  gputest 240 tests/test_fused_kernels.py tests/test_gemma4.py -k "on_cuda or (with_qkv_epilogue and e2b)" \
+    | tail -8 > "$out/tests.txt"
   i=0; for a in '{"static_weight_shapes": "always"}' '{"gemma_qkv_epilogue": true}'; do
     echo "== $a"; i=$((i + 1)); rm -rf /tmp/cold-inductor /tmp/cold-triton
     TORCHINDUCTOR_CACHE_DIR=/tmp/cold-inductor TRITON_CACHE_DIR=/tmp/cold-triton \
       bench 170 --preset gemma-4-e2b --batch-sizes 1,8 --workload decode --engine-args "$a" \
       --json "$out/e2b-$i.json" | tail -3; done > "$out/e2b.txt"
+  names="gpu tests e2b" ;;
+e2b_sequence)
   timeout 150 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 --sequence 90 2>&1 \
     | tee -a "$out/full.log" | filter | tail -95 > "$out/e2b_sequence.txt"
-  names="gpu e2b" ;;
+  names="gpu e2b_sequence" ;;
 fourteenth)
   timeout 150 python3 benchmarks/lora_sweep.py --rows 1,8 --splits 32 2>&1 | tee -a "$out/full.log" \
     | grep -e "adds" -e "^rows" > "$out/lora_sweep.txt"
