@@ -78,6 +78,7 @@
 #   thirteenth : (carry .whl) Qwen3.5's decode through fla's in-place recurrent kernel (`fla_decode`,
 #                off by default until this runs): its GPU tests, then Qwen3.5-4B decode 1 / 8 / 64
 #                with it off and on (about 6 minutes)
+#   fla_lean : thirteenth at batch 8 and 64 only, fla_decode first (about 5 minutes)
 #   e2b_ab : the GPU tests of Gemma-4's q/k/v epilogue kernel (`gemma_qkv_epilogue`, off until they
 #            pass), then Gemma-4-E2B decode 1 / 8 from empty compile caches, weight shapes constant
 #            everywhere (the old default) against the new default (prefill symbolic) with the
@@ -407,6 +408,13 @@ thirteenth)
   i=0; for a in '{}' '{"fla_decode": true}'; do echo "== $a"; i=$((i + 1))
     bench 130 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --engine-args "$a" \
       --json "$out/qwen35-$i.json" | tail -4; done > "$out/qwen35.txt"
+  names="gpu tests qwen35" ;;
+fla_lean)
+  # thirteenth in what is left of a session's device time: its tests, batch 8 and 64 only.
+  gputest 150 tests/test_qwen35.py -k fla_decode | tail -8 > "$out/tests.txt"
+  i=0; for a in '{"fla_decode": true}' '{}'; do echo "== $a"; i=$((i + 1))
+    bench 110 --preset qwen3.5-4b --batch-sizes 8,64 --workload decode --engine-args "$a" \
+      --json "$out/qwen35-$i.json" | tail -3; done > "$out/qwen35.txt"
   names="gpu tests qwen35" ;;
 e2b_ab)
   # From empty compile caches each: the old weight-shape default against the new one (prefill
