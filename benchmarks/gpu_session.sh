@@ -79,6 +79,7 @@
 #                off by default until this runs): its GPU tests, then Qwen3.5-4B decode 1 / 8 / 64
 #                with it off and on (about 6 minutes)
 #   fla_lean : thirteenth at batch 8 and 64 only, fla_decode first (about 5 minutes)
+#   fla_tests : fla_decode's GPU tests alone (about 2 minutes)
 #   e2b_ab : the GPU tests of Gemma-4's q/k/v epilogue kernel (`gemma_qkv_epilogue`, off until they
 #            pass), then Gemma-4-E2B decode 1 / 8 from empty compile caches, weight shapes constant
 #            everywhere (the old default) against the new default (prefill symbolic) with the
@@ -416,6 +417,9 @@ fla_lean)
     bench 110 --preset qwen3.5-4b --batch-sizes 8,64 --workload decode --engine-args "$a" \
       --json "$out/qwen35-$i.json" | tail -3; done > "$out/qwen35.txt"
   names="gpu tests qwen35" ;;
+fla_tests)
+  gputest 150 tests/test_qwen35.py -k fla_decode | tail -8 > "$out/tests.txt"
+  names="gpu tests" ;;
 e2b_ab)
   # From empty compile caches each: the old weight-shape default against the new one (prefill
   # symbolic: start-up) with Gemma's q/k/v epilogue (decode; weight shapes constant in both).
