@@ -8,7 +8,8 @@ import torch
 from .kernels.small_linear import LAUNCH_MAX_ROWS as GEMV_LAUNCH_ROWS
 from .kernels.small_linear import MAX_ROWS as GEMV_MAX_ROWS
 
-# `static_weight_shapes` values -> which steps trace weight shapes as constants.
+# `static_weight_shapes` values -> which steps trace weight shapes as constants (EngineConfig
+# keeps the name on the right).
 WEIGHT_SHAPE_MODES = {"always": "always", "decode": "decode", "never": "never", True: "always",
                       False: "never"}
 
@@ -177,6 +178,7 @@ class EngineConfig:
                 self.static_weight_shapes not in WEIGHT_SHAPE_MODES:
             raise ValueError("static_weight_shapes must be 'always', 'decode', 'never', True or "
                              f"False, got {self.static_weight_shapes!r}")
+        self.static_weight_shapes = WEIGHT_SHAPE_MODES[self.static_weight_shapes]
         if self.num_kv_pages is not None and self.num_kv_pages < 2:
             raise ValueError("num_kv_pages must be >= 2 (page 0 is reserved for padding)")
 

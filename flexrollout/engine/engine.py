@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.kv_cache import KVCache
-from ..config import WEIGHT_SHAPE_MODES, EngineConfig
+from ..config import EngineConfig
 from ..facades import ModelConfig, VllmConfig
 from ..kernels.gemv_4bit import MAX_ROWS as GEMV_4BIT_MAX_ROWS
 from ..lora.table import AdapterTable
@@ -110,7 +110,7 @@ class LLMEngine:
             qkv_epilogue=config.qkv_epilogue, lora_rows=config.lora_request_kernels,
             gemma_qkv_epilogue=config.gemma_qkv_epilogue, fla_decode=config.fla_decode,
             quant_rows=GEMV_4BIT_MAX_ROWS if config.quant_kernels and device.type == "cuda" else 0,
-            compile_4bit=config.compile_4bit, static_weight_shapes=WEIGHT_SHAPE_MODES[config.static_weight_shapes],
+            compile_4bit=config.compile_4bit, static_weight_shapes=config.static_weight_shapes,
             lora_kernels=device.type == "cuda", fused_shrink=config.lora_fused_shrink,
             lora_gemv_rows=config.lora_gemv_max_rows,
             expert_rows=config.moe_small_batch_max_rows if config.small_batch_kernels else 0))

@@ -328,13 +328,10 @@ class DecoderForward:
         mode = self.options.static_weight_shapes
         static = mode == "always" or (mode == "decode" and meta.decode)
         if (fn, static) not in self._compiled:
-            if static:
-                self._compiled[fn, static] = compiled(fn, dynamic=True, fullgraph=True,
-                                                      backend=self.options.compile_backend)
-            else:
-                self._compiled[fn, static] = compiled(
-                    separate_cache(fn, "symbolic"), {"force_parameter_static_shapes": False},
-                    dynamic=True, fullgraph=True, backend=self.options.compile_backend)
+            target, settings = (fn, {}) if static else (
+                separate_cache(fn, "symbolic"), {"force_parameter_static_shapes": False})
+            self._compiled[fn, static] = compiled(target, settings, dynamic=True, fullgraph=True,
+                                                  backend=self.options.compile_backend)
         return self._compiled[fn, static]
 
     def _quant_states(self) -> list:

@@ -62,15 +62,17 @@ def attention_inputs(x: torch.Tensor, ln_w: torch.Tensor, q: Linear, k: Linear, 
     h = rms_norm(x, ln_w, eps, FP32)
     projections = [q, k] if v is None else [q, k, v]
     outputs = project_group(h, projections, kernels)
-    if v is None:           # V reads k_proj's output: the epilogue takes it as a third source
-        outputs, projections = [*outputs, outputs[1]], [q, k, k]
-    if epilogue and epilogue_fits(h, outputs, projections, qn_w, FP32, head_dim, k_cache, kernels):
-        return run_epilogue(outputs, projections, qn_w, kn_w, cos, sin, k_cache, v_cache, slot_mapping,
-                            eps, num_heads, num_kv_heads, gemma=True)
+    if epilogue:
+        # Without v_proj, V is k_proj's output: the epilogue takes it as a third source.
+        sources, source_projections = ((outputs, projections) if v is not None
+                                       else ([*outputs, outputs[1]], [q, k, k]))
+        if epilogue_fits(h, sources, source_projections, qn_w, FP32, head_dim, k_cache, kernels):
+            return run_epilogue(sources, source_projections, qn_w, kn_w, cos, sin, k_cache, v_cache,
+                                slot_mapping, eps, num_heads, num_kv_heads, gemma=True)
     outputs = finish_group(outputs, projections, h.dtype)
     tokens = h.shape[0]
     ks = outputs[1].reshape(tokens, num_kv_heads, head_dim)
-    vs = outputs[2].reshape(tokens, num_kv_heads, head_dim)
+    vs = outputs[-1].reshape(tokens, num_kv_heads, head_dim)      # v_proj's, else k_proj's
     ks = apply_rope(rms_norm(ks, kn_w, eps, FP32), cos, sin)
     store_kv(k_cache, v_cache, ks, rms_norm(vs, None, eps), slot_mapping)
     return apply_rope(rms_norm(outputs[0].reshape(tokens, num_heads, head_dim), qn_w, eps, FP32), cos, sin)
