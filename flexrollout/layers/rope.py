@@ -3,19 +3,33 @@ rotate-half application (every supported family rotates the two halves of the he
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # Rope types whose inv_freq and attention scaling are fixed at load (no dynamic update).
 STATIC_ROPE_TYPES = {"default", "llama3", "linear", "yarn", "proportional"}
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX rotate-half RoPE. x: (T, heads, head_dim); cos/sin: (T, head_dim) in x's dtype."""
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+    """NeoX rotate-half RoPE on the first `cos.shape[-1]` dims of each head (all of them for
+    most families, a quarter for Qwen3.5); the rest pass through. x: (T, heads, head_dim);
+    cos / sin: (T, rotary) in x's dtype.
+
+    Written as a roll and selects over the whole head rather than slices and `torch.cat`:
+    Inductor fuses a roll into the kernel that reads x, where a cat made it materialise x in
+    kernels of its own (Gemma-4's q / k / v after the projections: 8 kernels with the cat, 3
+    without, counted by Inductor's Triton scheduler; E2B decode +4% at batch 1, H100)."""
+    dim, rotary = x.shape[-1], cos.shape[-1]
+    half = rotary // 2
+    # rotate_half: dim i of the rotated part reads its partner i ± half, negated in the first half.
+    if rotary == dim:
+        partner = x.roll(half, -1)
+    else:
+        partner = F.pad(x[..., :rotary].roll(half, -1), (0, dim - rotary))
+        cos, sin = (F.pad(t, (0, dim - rotary)) for t in (cos, sin))
+    index = torch.arange(dim, device=x.device)
+    partner = torch.where(index < half, -partner, partner)
+    out = x * cos[:, None, :] + partner * sin[:, None, :]
+    return out if rotary == dim else torch.where(index < rotary, out, x)
 
 
 def rope_tables(inv_freq: torch.Tensor, scaling: float, max_len: int, dtype: torch.dtype):

@@ -52,15 +52,9 @@ def gated_attention_inputs(x: torch.Tensor, ln_w: torch.Tensor, q: Linear, k: Li
     query, gate = qg.view(tokens, num_heads, 2 * head_dim).chunk(2, dim=-1)
     query = rms_norm(query, qn_w, eps, OFFSET)
     ks = rms_norm(ks.view(tokens, num_kv_heads, head_dim), kn_w, eps, OFFSET)
-    query, ks = partial_rope(query, cos, sin), partial_rope(ks, cos, sin)
+    query, ks = apply_rope(query, cos, sin), apply_rope(ks, cos, sin)
     store_kv(k_cache, v_cache, ks, vs.view(tokens, num_kv_heads, head_dim), slot_mapping)
     return query, gate.reshape(tokens, num_heads * head_dim)
-
-
-def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX RoPE on the first cos.shape[-1] dims of each head; the rest pass through."""
-    rotary = cos.shape[-1]
-    return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
 
 
 def linear_attention_inputs(x: torch.Tensor, ln_w: torch.Tensor, qkv: Linear, z: Linear, b: Linear,
