@@ -328,7 +328,12 @@ class DecoderForward:
         mode = self.options.static_weight_shapes
         static = mode == "always" or (mode == "decode" and meta.decode)
         if (fn, static) not in self._compiled:
-            target, settings = (fn, {}) if static else (
+            # With constant weight shapes the layer's ints (heads, head_dim) are constants too:
+            # dynamic=True would trace them as symbols, and a reduction over a symbolic head_dim
+            # neither stays in registers nor fuses with its consumer (Gemma-4-E2B's q / k / v
+            # norms: 2 kernels more a layer, counted by Inductor's Triton scheduler). They
+            # change only with the weights' shapes, which recompile anyway.
+            target, settings = (fn, {"specialize_int": True}) if static else (
                 separate_cache(fn, "symbolic"), {"force_parameter_static_shapes": False})
             self._compiled[fn, static] = compiled(target, settings, dynamic=True, fullgraph=True,
                                                   backend=self.options.compile_backend)
