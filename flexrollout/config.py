@@ -70,16 +70,15 @@ class EngineConfig:
     # off only to measure the compiled path it replaces.
     qkv_epilogue: bool = True
     # Gemma-4's decode runs the same epilogue kernel (fp32-style q/k norms, weightless v norm, V
-    # from k_proj on its full layers) instead of several compiled kernels. Interpreter-tested
-    # against HF's norms; off until its GPU tests and a decode benchmark have run
-    # (benchmarks/gpu_session.sh thirteenth).
-    gemma_qkv_epilogue: bool = False
+    # from k_proj on its full layers) instead of several compiled kernels. Its GPU tests pass
+    # (H100: the kernel's Gemma cases, k_proj-as-V at head_dim 512 included, and E2B's fp32
+    # greedy parity with HF); E2B decode measured +2.6% at batch 1 (H100, 2026-12-07).
+    gemma_qkv_epilogue: bool = True
     # Qwen3.5's GatedDeltaNet decode step through flash-linear-attention's recurrent kernel,
     # updating each state in its pool slot in one pass (fla >= 0.6, CUDA, 16-bit), where the torch
-    # step gathers, updates and scatters a copy. Off until its GPU tests and a decode benchmark
-    # have run (benchmarks/gpu_session.sh thirteenth); the torch step measured 22.5% of the
-    # roofline at batch 64 on an H100.
-    fla_decode: bool = False
+    # step gathers, updates and scatters a copy: Qwen3.5-4B decode 1.03x / 1.27x at batch 8 / 64
+    # (H100, 2026-12-07). Without fla (or on CPU) the torch step runs.
+    fla_decode: bool = True
     # LoRARequest adapters one decode step can mix while replaying from the CUDA graph (slots of
     # the adapter table, `lora/table.py`; vLLM's name). A step mixing more runs eagerly. The
     # table is allocated as adapters are used: r x (in + out) per adapted projection and slot.

@@ -645,22 +645,35 @@ def test_gpu_fla_decode_matches_torch_step():
 @pytest.mark.gpu
 def test_gpu_bf16_fla_decode_engine_close_to_torch_step():
     """bf16 decode with `fla_decode` (fla's in-place kernel, from CUDA graphs) against the same
-    engine's torch step: the first tokens agree and so do their logprobs, to bf16 precision."""
+    engine's torch step: the prefill's token agrees, the logprobs agree to bf16 precision while
+    the greedy tokens do, and where they first part it is between two tokens the torch step
+    nearly ties (random bf16 models' greedy tokens often do: on an H100 two of three prompts
+    parted, at their second and third tokens, between tokens one bf16 step of the logits apart,
+    their logprobs swapped)."""
     pytest.importorskip("fla")
     from flexrollout import LLM
 
     model = _real_width_model("dense", torch.bfloat16)
     prompts = _cuda_prompts(model.config.vocab_size, (7, 90, 200), seed=3)
-    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
     runs = []
     for fla_decode in (True, False):
         llm = LLM(model, max_model_len=1024, max_num_seqs=4, num_kv_pages=32, fla_decode=fla_decode)
-        runs.append(llm.generate(_prompts(prompts), params, use_tqdm=False))
+        runs.append([r.outputs[0] for r in llm.generate(_prompts(prompts), params, use_tqdm=False)])
         del llm
     for fla, ref in zip(*runs):
-        assert fla.outputs[0].token_ids[:4] == ref.outputs[0].token_ids[:4]
-        diff = torch.tensor(_first_logprobs(fla)[:4]) - torch.tensor(_first_logprobs(ref)[:4])
-        assert diff.abs().mean() < 0.05, diff
+        agree = next((i for i, (a, b) in enumerate(zip(fla.token_ids, ref.token_ids)) if a != b),
+                     len(ref.token_ids))
+        assert agree >= 1, (fla.token_ids, ref.token_ids)
+        diff = [fla.logprobs[i][t].logprob - ref.logprobs[i][t].logprob
+                for i, t in enumerate(ref.token_ids[:agree])]
+        assert torch.tensor(diff).abs().mean() < 0.05, diff
+        if agree < len(ref.token_ids):
+            ref_top = ref.logprobs[agree]
+            parted = fla.token_ids[agree]
+            assert parted in ref_top and ref.token_ids[agree] in fla.logprobs[agree], agree
+            gap = ref_top[ref.token_ids[agree]].logprob - ref_top[parted].logprob
+            assert gap < 0.1, (agree, gap)
 
 
 @pytest.mark.gpu

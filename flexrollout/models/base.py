@@ -54,8 +54,8 @@ class ForwardOptions:
     mlp_chunk: int = 2048           # rows per `post` call in a long prefill
     gemv_pdl: bool = True
     qkv_epilogue: bool = True
-    gemma_qkv_epilogue: bool = False    # Gemma-4's decode takes the q/k/v epilogue kernel too
-    fla_decode: bool = False        # GatedDeltaNet decode through fla's in-place recurrent kernel
+    gemma_qkv_epilogue: bool = True     # Gemma-4's decode takes the q/k/v epilogue kernel too
+    fla_decode: bool = True         # GatedDeltaNet decode through fla's in-place recurrent kernel
     expert_rows: int = 0            # MoE steps up to this many (token, expert) rows: grouped GEMV
     lora_rows: bool = False         # LoRARequest rows' adapter terms take the LoRA kernels
     quant_rows: int = 0             # 4-bit projections up to this many rows: our Triton GEMV (0: never)
