@@ -84,6 +84,8 @@
 #            pass), then Gemma-4-E2B decode 1 / 8 from empty compile caches, weight shapes constant
 #            everywhere (the old default) against the new default (prefill symbolic) with the
 #            epilogue (about 8 minutes)
+#   rope_ab : (carry .whl and .ab_old) fla_decode's GPU tests, then E2B and Qwen3-4B decode 1 / 8 before and
+#             after RoPE without torch.cat and decode's ints specialised
 #   e2b_sequence : the kernels ending E2B's batch-1 step in order, with the gaps between them
 #   fourteenth : what live LoRA's fused shrink costs at 2 / 4 / 8 / 16 / 32 K slices per adapter, and with
 #                B (s A x) added in the last K slice instead of the first (lora_sweep.py, 1 and 8
@@ -406,14 +408,14 @@ lut)
   names="gpu lut e2b_profile" ;;
 thirteenth)
   gputest 200 tests/test_qwen35.py -k fla_decode | tail -8 > "$out/tests.txt"
-  i=0; for a in '{}' '{"fla_decode": true}'; do echo "== $a"; i=$((i + 1))
+  i=0; for a in '{"fla_decode": false}' '{"fla_decode": true}'; do echo "== $a"; i=$((i + 1))
     bench 130 --preset qwen3.5-4b --batch-sizes 1,8,64 --workload decode --engine-args "$a" \
       --json "$out/qwen35-$i.json" | tail -4; done > "$out/qwen35.txt"
   names="gpu tests qwen35" ;;
 fla_lean)
   # thirteenth in what is left of a session's device time: its tests, batch 8 and 64 only.
   gputest 150 tests/test_qwen35.py -k fla_decode | tail -8 > "$out/tests.txt"
-  i=0; for a in '{"fla_decode": true}' '{}'; do echo "== $a"; i=$((i + 1))
+  i=0; for a in '{"fla_decode": true}' '{"fla_decode": false}'; do echo "== $a"; i=$((i + 1))
     bench 110 --preset qwen3.5-4b --batch-sizes 8,64 --workload decode --engine-args "$a" \
       --json "$out/qwen35-$i.json" | tail -3; done > "$out/qwen35.txt"
   names="gpu tests qwen35" ;;
@@ -431,6 +433,17 @@ e2b_ab)
       bench 170 --preset gemma-4-e2b --batch-sizes 1,8 --workload decode --engine-args "$a" \
       --json "$out/e2b-$i.json" | tail -3; done > "$out/e2b.txt"
   names="gpu tests e2b" ;;
+rope_ab)
+  # fla_decode's GPU tests, then (carry .ab_old, the tree before: see eleventh) decode at 1 / 8
+  # before and after RoPE without torch.cat and decode's ints specialised (Gemma-4-E2B, Qwen3-4B).
+  gputest 150 tests/test_qwen35.py -k fla_decode | tail -8 > "$out/tests.txt"
+  for tree in .ab_old .; do
+    echo "== $tree"
+    ( cd "$tree" && export PYTHONPATH=$PWD:$PYTHONPATH
+      bench 130 --preset gemma-4-e2b --batch-sizes 1,8 --workload decode | tail -3
+      bench 100 --preset qwen3-4b --batch-sizes 1,8 --workload decode | tail -3 )
+  done > "$out/rope_ab.txt"
+  names="gpu tests rope_ab" ;;
 e2b_sequence)
   timeout 150 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 --sequence 90 2>&1 \
     | tee -a "$out/full.log" | filter | tail -95 > "$out/e2b_sequence.txt"
