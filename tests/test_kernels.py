@@ -182,6 +182,32 @@ def test_small_batch_kernels_flag_reaches_every_projection(enabled):
         assert launches == 0, launches
 
 
+@pytest.mark.parametrize("name", ["gelu_pytorch_tanh", "silu"])
+def test_gated_act_compiled_takes_the_one_gate_up_launch(name):
+    """The same where the engine runs it, under torch.compile: one GEMV call for gate and up.
+    Dynamo once compared a functools.partial argument as unequal to that very partial, so
+    Gemma's compiled decode ran gate and up as two launches and a third for the product
+    (H100 profile, 2026-12-07)."""
+    from flexrollout.layers.linear import Kernels, Linear, gated_act
+    from flexrollout.layers.mlp import activation
+
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.extend(n for n in gm.graph.nodes if n.target is torch.ops.flexrollout.small_linear.default)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x, gate, up = torch.randn(3, 256), Linear(torch.randn(64, 256)), Linear(torch.randn(64, 256))
+    act = activation(name)
+    fn = torch.compile(lambda x, gate, up, act: gated_act(x, gate, up, act, Kernels(small=True)),
+                       backend=backend, fullgraph=True)
+    got = fn(x, gate, up, act)
+    torch.testing.assert_close(got, act(x @ gate.weight.T) * (x @ up.weight.T), rtol=1e-5, atol=1e-4)
+    assert len(calls) == 1, calls
+
+
 def test_gated_act_runs_gemmas_gelu_tanh_in_the_gate_up_launch(monkeypatch):
     """Gemma's MLP activation (the very GELU-tanh function `layers.mlp` maps
     `gelu_pytorch_tanh` to) takes the one gate/up launch, as SiLU does; exact GELU does not."""

@@ -52,10 +52,22 @@ MIN_PROGRAMS = 256
 MAX_SPLIT = 8
 # K slices per adapter in the fused shrink (each a program; the GEMV's slice-0 programs sum them).
 SHRINK_SPLIT = 16
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (HF's `gelu_pytorch_tanh`). A function, not a
+    `functools.partial`: the layers choose the fused gate/up launch by `act is GELU_TANH`, and
+    torch.compile compared a partial argument as unequal to that very partial, so Gemma's
+    compiled decode ran gate and up as two launches and a third for the product."""
+    return F.gelu(x, approximate="tanh")
+
+
 # The gated products the gate/up launch's epilogue computes, act(gate) * up: Llama / Qwen's SiLU
 # and Gemma's GELU-tanh (the layers pass these very functions).
-GELU_TANH = functools.partial(F.gelu, approximate="tanh")
+GELU_TANH = gelu_tanh
 GATED_ACTS = {"silu": F.silu, "gelu_tanh": GELU_TANH}
+
+
 @dataclass(frozen=True)
 class Tiling:
     """How one launch cuts the work: weight rows per program, K per loop step, K splits."""
