@@ -86,6 +86,9 @@
 #            epilogue (about 8 minutes)
 #   rope_ab : (carry .whl and .ab_old) fla_decode's GPU tests, then E2B and Qwen3-4B decode 1 / 8 before and
 #             after RoPE without torch.cat and decode's ints specialised
+#   gelu_ab : (carry .whl and .ab_old) Gemma's gate/up in one launch (GELU_TANH a function, 096fb22):
+#             E2B and 26B-A4B decode 1 / 8 before and after, E2B's batch-1 kernel sequence, the
+#             revised bf16 fla_decode test (about 9 minutes)
 #   e2b_sequence : the kernels ending E2B's batch-1 step in order, with the gaps between them
 #   fourteenth : what live LoRA's fused shrink costs at 2 / 4 / 8 / 16 / 32 K slices per adapter, and with
 #                B (s A x) added in the last K slice instead of the first (lora_sweep.py, 1 and 8
@@ -444,6 +447,21 @@ rope_ab)
       bench 100 --preset qwen3-4b --batch-sizes 1,8 --workload decode | tail -3 )
   done > "$out/rope_ab.txt"
   names="gpu tests rope_ab" ;;
+gelu_ab)
+  # (carry .whl and .ab_old = `git archive 3ca8fb0 flexrollout`, the tree before GELU_TANH became a
+  # function) Gemma's gate/up in one launch: E2B and 26B-A4B decode 1 / 8 before and after, then
+  # E2B's batch-1 kernel sequence, then the revised bf16 fla_decode test.
+  for tree in .ab_old .; do
+    echo "== $tree"
+    ( cd "$tree" && export PYTHONPATH=$PWD:$PYTHONPATH
+      bench 130 --preset gemma-4-e2b --batch-sizes 1,8 --workload decode | tail -3
+      bench 200 --preset gemma-4-26b-a4b --batch-sizes 1,8 --workload decode \
+        --gpu-memory-utilization 0.2 | tail -3 )
+  done > "$out/gelu_ab.txt"
+  timeout 120 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 --sequence 40 2>&1 \
+    | tee -a "$out/full.log" | filter | tail -42 > "$out/e2b_sequence.txt"
+  gputest 100 tests/test_qwen35.py -k bf16_fla_decode | tail -4 > "$out/tests.txt"
+  names="gpu gelu_ab e2b_sequence tests" ;;
 e2b_sequence)
   timeout 150 python3 benchmarks/profile_decode.py --preset gemma-4-e2b --batch 1 --sequence 90 2>&1 \
     | tee -a "$out/full.log" | filter | tail -95 > "$out/e2b_sequence.txt"
