@@ -35,10 +35,13 @@ def _record_nodes(regions: list):
     def codegen(self) -> None:
         nodes = []
         for node in self.nodes:
-            if isinstance(node, scheduler.NopKernelSchedulerNode):
+            # No-ops, and MultiOutput (a view of one of a multi-output op's results): no launch.
+            if isinstance(node, scheduler.NopKernelSchedulerNode) or (
+                    type(node.node).__name__ == "MultiOutput"):
                 continue
             if isinstance(node, scheduler.ExternKernelSchedulerNode):
-                nodes.append(("extern", getattr(node.node, "python_kernel_name", "") or ""))
+                nodes.append(("extern", getattr(node.node, "python_kernel_name", None)
+                              or str(getattr(node.node, "op_overload", None) or type(node.node).__name__)))
                 continue
             ops = sorted({getattr(o.target, "__name__", str(o.target))
                           for n in node.get_nodes() if n.node is not None
