@@ -14,7 +14,7 @@ kernel adds B (s A x) to its fp32 sums before its epilogue: the adapted projecti
 one-launch q/k/v and SiLU-mul paths, with no separate expand or add kernel.
 
 `small_linear(x, w0, w1, w2, silu_mul)` returns fp32 partial sums of shape (split, M, N) with
-N = the output widths side by side; callers add them (`.sum(0)`), which torch.compile fuses
+N = the output widths side by side; callers add them (`sum_partials`), which torch.compile fuses
 into whatever consumes the result. With `silu_mul` (SiLU, or GELU-tanh with `act`) there is one
 partial, already in x's dtype:
 it feeds the down projection's kernel directly, with no cast kernel in between. It is a torch
@@ -370,10 +370,21 @@ def _low_rank_reference(lora: tuple | None, rows: int) -> list:
     return deltas
 
 
+def sum_partials(partials: torch.Tensor) -> torch.Tensor:
+    """The split-K partials (split, M, N) added up, as adds of the slices rather than a sum over
+    the split axis: adds are element-wise, so Inductor fuses them into the kernel that reads the
+    result even where that kernel reduces over the row (a norm), where a sum over the split axis
+    kept a kernel of its own (E2B's o_proj before its norm, H100 profile, 2026-12-07)."""
+    total = partials[0]
+    for part in partials[1:]:
+        total = total + part
+    return total
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
             max_rows: int = MAX_ROWS, pdl: bool = True) -> torch.Tensor:
     """`F.linear` that routes small CUDA batches through the kernel (same dtype out)."""
     if not supported(x, weight, max_rows):
         return F.linear(x, weight, bias)
-    out = small_linear(x, weight, pdl=pdl).sum(0).to(x.dtype)
+    out = sum_partials(small_linear(x, weight, pdl=pdl)).to(x.dtype)
     return out if bias is None else out + bias

@@ -321,7 +321,7 @@ def finish_group(outputs: list[torch.Tensor], projections: list[Linear], dtype: 
     finished = []
     for out, p in zip(outputs, projections):
         if out.dim() == 3:              # GEMV partials: sum, round, then the bias (HF's order)
-            out = out.sum(0).to(dtype)
+            out = gemv.sum_partials(out).to(dtype)
             out = out if p.bias is None else out + p.bias
         finished.append(out)
     return finished
