@@ -16,8 +16,10 @@ whose output RoPE reads rotated still takes its own kernel, which the CPU count 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 
+import torch
 import torch._dynamo.utils as dynamo_utils
 import torch._inductor.config as inductor_config
 from compile_count import build_llm, force_compile, generate
@@ -25,6 +27,8 @@ from torch._inductor import scheduler
 from torch._inductor.compile_fx import compile_fx
 
 from flexrollout.bench import PRESETS
+from flexrollout.kernels import small_linear as gemv
+from flexrollout.models import base
 
 
 class _Counted(Exception):
@@ -65,12 +69,38 @@ def counting_backend(regions: list):
     return backend
 
 
+def route_small_batches_through_the_gemv(llm) -> None:
+    """Decode as CUDA traces it: small batches project through the GEMV op (fp32 partials, q/k/v
+    in one call, gate/up with the activation in its epilogue), which on CPU runs its reference
+    implementation. The engine takes that path only for CUDA weights; this lets CPU ones in."""
+    def takes(weight) -> bool:      # gemv.weight_supported without its CUDA condition
+        return (weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] % gemv.BLOCK_K == 0
+                and weight.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+    gemv.weight_supported = takes
+    gemv.supported = lambda x, weight, max_rows=gemv.MAX_ROWS: (
+        x.dim() == 2 and x.shape[0] <= min(max_rows, gemv.MAX_ROWS) and x.dtype == weight.dtype
+        and takes(weight))
+    step = base.DecoderForward._step
+
+    def small_step(self, input_ids, meta, cache):
+        made = step(self, input_ids, meta, cache)
+        small = input_ids.shape[0] <= self.options.small_rows
+        return dataclasses.replace(made, kernels=dataclasses.replace(made.kernels, small=small))
+
+    base.DecoderForward._step = small_step
+    forward = llm.llm_engine.forward
+    forward.prepare(dataclasses.replace(forward.options, small_rows=gemv.MAX_ROWS))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="gemma-4-e2b", choices=sorted(PRESETS))
     p.add_argument("--layers", type=int, default=4, help="fewer layers than the preset (same widths)")
     p.add_argument("--batch-sizes", default="1", help="comma-separated decode batch sizes")
     p.add_argument("--detail", action="store_true", help="list each region's kernels and their ops")
+    p.add_argument("--gemv", action="store_true",
+                   help="small batches through the GEMV op, as on CUDA (its CPU reference runs)")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.prompt_len, args.max_tokens, args.max_len = 11, 3, 256
@@ -81,6 +111,8 @@ def main(argv=None) -> int:
     regions: list = []
     scheduler.Scheduler.codegen = _record_nodes(regions)
     llm = build_llm(args, "cpu")
+    if args.gemv:
+        route_small_batches_through_the_gemv(llm)
     force_compile(llm, counting_backend(regions))
     dynamo_utils.clear_compilation_metrics()
     for batch in args.batch_sizes:
