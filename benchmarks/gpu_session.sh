@@ -86,7 +86,8 @@
 #            epilogue (about 8 minutes)
 #   rope_ab : (carry .whl and .ab_old) fla_decode's GPU tests, then E2B and Qwen3-4B decode 1 / 8 before and
 #             after RoPE without torch.cat and decode's ints specialised
-#   gelu_ab : (carry .whl and .ab_old) Gemma's gate/up in one launch (GELU_TANH a function, 096fb22):
+#   gelu_ab : (carry .whl and .ab_old) Gemma's gate/up in one launch (GELU_TANH a function, 096fb22)
+#             and GEMV partials added slice by slice (sum_partials):
 #             E2B and 26B-A4B decode 1 / 8 before and after, E2B's batch-1 kernel sequence, the
 #             revised bf16 fla_decode test (about 9 minutes)
 #   e2b_sequence : the kernels ending E2B's batch-1 step in order, with the gaps between them
