@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import logging
 
-import torch
 import torch._dynamo.utils as dynamo_utils
 import torch._inductor.config as inductor_config
 from compile_count import build_llm, force_compile, generate
@@ -73,14 +72,7 @@ def route_small_batches_through_the_gemv(llm) -> None:
     """Decode as CUDA traces it: small batches project through the GEMV op (fp32 partials, q/k/v
     in one call, gate/up with the activation in its epilogue), which on CPU runs its reference
     implementation. The engine takes that path only for CUDA weights; this lets CPU ones in."""
-    def takes(weight) -> bool:      # gemv.weight_supported without its CUDA condition
-        return (weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] % gemv.BLOCK_K == 0
-                and weight.dtype in (torch.bfloat16, torch.float16, torch.float32))
-
-    gemv.weight_supported = takes
-    gemv.supported = lambda x, weight, max_rows=gemv.MAX_ROWS: (
-        x.dim() == 2 and x.shape[0] <= min(max_rows, gemv.MAX_ROWS) and x.dtype == weight.dtype
-        and takes(weight))
+    gemv.weight_supported, gemv.supported = gemv.weight_fits, gemv.fits
     step = base.DecoderForward._step
 
     def small_step(self, input_ids, meta, cache):

@@ -79,18 +79,28 @@ class Tiling:
     stages: int = 5
 
 
-def weight_supported(weight: torch.Tensor) -> bool:
-    """A CUDA matrix the kernel can stream: contiguous rows, input width a multiple of BLOCK_K."""
-    return (weight.is_cuda and weight.dim() == 2 and weight.is_contiguous()
+def weight_fits(weight: torch.Tensor) -> bool:
+    """A matrix the kernel can stream, its device aside: contiguous rows of a float dtype, input
+    width a multiple of BLOCK_K."""
+    return (weight.dim() == 2 and weight.is_contiguous()
             and weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and weight.shape[1] % BLOCK_K == 0)
 
 
+def weight_supported(weight: torch.Tensor) -> bool:
+    """A CUDA matrix the kernel can stream."""
+    return weight.is_cuda and weight_fits(weight)
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
+    """A projection of `x` by `weight` the kernel computes, devices aside."""
+    return (x.dim() == 2 and x.shape[0] <= min(max_rows, MAX_ROWS) and x.dtype == weight.dtype
+            and weight_fits(weight))
+
+
 def supported(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """Whether a projection of `x` by `weight` takes this path."""
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= min(max_rows, MAX_ROWS)
-            and x.dtype == weight.dtype
-            and weight_supported(weight))
+    return x.is_cuda and weight.is_cuda and fits(x, weight, max_rows)
 
 
 def split_k(n_total: int, k: int, silu_mul: bool) -> int:
@@ -374,7 +384,10 @@ def sum_partials(partials: torch.Tensor) -> torch.Tensor:
     """The split-K partials (split, M, N) added up, as adds of the slices rather than a sum over
     the split axis: adds are element-wise, so Inductor fuses them into the kernel that reads the
     result even where that kernel reduces over the row (a norm), where a sum over the split axis
-    kept a kernel of its own (E2B's o_proj before its norm, H100 profile, 2026-12-07)."""
+    kept a kernel of its own (E2B's o_proj before its norm, H100 profile, 2026-12-07). Outside
+    torch.compile nothing fuses, so there it stays the sum."""
+    if not torch.compiler.is_compiling():
+        return partials.sum(0)      # eagerly, one kernel rather than one add per slice
     total = partials[0]
     for part in partials[1:]:
         total = total + part
