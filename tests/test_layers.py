@@ -33,7 +33,7 @@ def test_rope_equals_hf_bitwise(dtype, rotary, hf_rope):
 
 @pytest.mark.parametrize("rotary", [64, 16], ids=["full", "partial"])
 def test_rope_compiled_matches_hf(rotary):
-    """Compiled as the engine compiles its layers (the gather and selects fuse there), in fp32."""
+    """Compiled as the engine compiles its layers (the roll and selects fuse there), in fp32."""
     g = torch.Generator().manual_seed(1)
     q = torch.randn(3, 4, 64, generator=g)
     cos, sin = torch.randn(3, rotary, generator=g), torch.randn(3, rotary, generator=g)
