@@ -2,6 +2,7 @@
 (and natively on CUDA when present)."""
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -225,3 +226,71 @@ def test_gated_act_runs_gemmas_gelu_tanh_in_the_gate_up_launch(monkeypatch):
         torch.testing.assert_close(got, act(x @ gate.weight.T) * (x @ up.weight.T), rtol=1e-5, atol=1e-4)
         assert calls == ([fused] if fused else []), (name, calls)      # one launch, or none (CPU)
         calls.clear()
+
+
+def test_weights_off_the_k_step_run_cublas_without_keeping_the_group_off(monkeypatch):
+    """Routing is per projection: a group whose input width is off the GEMV's 128-wide K step
+    (gpt-oss's 2,880, 26B-A4B's 2,112-wide down_proj) runs F.linear, and one on it still comes
+    back as the GEMV's partials; both compute the projection."""
+    from flexrollout.layers.linear import Kernels, Linear, gated_act, linear, project_group
+
+    monkeypatch.setattr(sl, "supported", sl.fits)       # `linear`'s path on CPU tensors too
+    shapes = []
+    op = sl.small_linear
+    monkeypatch.setattr(sl, "small_linear", lambda x, *w, **kw: shapes.append(x.shape[1]) or op(x, *w, **kw))
+    torch.manual_seed(0)
+    for fan_in, on_gemv in ((200, False), (256, True)):
+        x = torch.randn(3, fan_in)
+        q, k = Linear(torch.randn(32, fan_in)), Linear(torch.randn(16, fan_in))
+        outs = project_group(x, [q, k], Kernels(small=True))
+        assert [o.dim() for o in outs] == [3 if on_gemv else 2] * 2
+        for out, p in zip(outs, (q, k)):
+            torch.testing.assert_close(out.sum(0) if on_gemv else out, x @ p.weight.T, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(linear(x, q, Kernels(small=True)), x @ q.weight.T, rtol=1e-5, atol=1e-4)
+        got = gated_act(x, q, q, torch.nn.functional.silu, Kernels(small=True))
+        torch.testing.assert_close(got, torch.nn.functional.silu(x @ q.weight.T) * (x @ q.weight.T),
+                                   rtol=1e-5, atol=1e-4)
+        assert shapes == [fan_in] * (3 if on_gemv else 0), (fan_in, shapes)
+        shapes.clear()
+
+
+def test_a_model_with_one_projection_off_the_k_step_decodes_the_rest_through_the_gemv(monkeypatch):
+    """A Llama whose MLP width (200) is off the K step: small batches still take the GEMV for
+    q/k/v, o and gate/up (its CPU reference, let in as CUDA would be), down_proj runs F.linear,
+    and greedy decode matches HF's. Before, one such width turned the GEMV off model-wide."""
+    from transformers import LlamaConfig
+
+    from conftest import _from_config, _hf_greedy, make_tiny_tokenizer
+    from flexrollout import LLM, SamplingParams
+    from flexrollout.models import base
+
+    # CPU weights and inputs count as CUDA ones (as benchmarks/kernel_count.py --gemv lets them in)
+    monkeypatch.setattr(sl, "weight_supported", sl.weight_fits)
+    monkeypatch.setattr(sl, "supported", sl.fits)
+    step = base.DecoderForward._step
+
+    def small_step(self, input_ids, meta, cache):                  # as `_step` sets it on CUDA
+        made = step(self, input_ids, meta, cache)
+        kernels = dataclasses.replace(made.kernels, small=input_ids.shape[0] <= self.options.small_rows)
+        return dataclasses.replace(made, kernels=kernels)
+
+    monkeypatch.setattr(base.DecoderForward, "_step", small_step)
+    widths = []
+    op = sl.small_linear
+    monkeypatch.setattr(sl, "small_linear", lambda x, *w, **kw: widths.append(x.shape[1]) or op(x, *w, **kw))
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=200, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, eos_token_id=511,
+                         bos_token_id=1, pad_token_id=0, max_position_embeddings=256)
+    model, gen = _from_config(config, seed=3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.weight"):
+                param.copy_(0.15 * torch.randn(param.shape, generator=gen))
+    prompts = [[5, 17, 300, 42, 9], [7, 8]]
+    refs = [_hf_greedy(model, p, 6).tokens for p in prompts]
+    llm = LLM(model, tokenizer=make_tiny_tokenizer(), max_model_len=128, max_num_seqs=2, num_kv_pages=16)
+    assert llm.llm_engine.forward.options.small_rows > 0
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == refs
+    assert widths and set(widths) == {128}, set(widths)      # no GEMV call read down_proj's 200 wide input
+    assert widths.count(128) >= 5 * 3 * 2                   # q/k/v, o, gate/up in each layer's decode steps

@@ -186,11 +186,13 @@ def _on_gemv(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bo
     if not all(_fusable(p, kernels) for p in projections):
         return False
     adapted = any(_adapter_of(p) is not None for p in projections)
-    if not adapted:
-        return kernels.small            # (the engine turns it on only where every weight fits)
-    rows_fit = kernels.small or (kernels.lora_small and x.shape[0] <= gemv.LAUNCH_MAX_ROWS)
-    # An adapted LM head is not covered by the engine's check of the layers' weights.
-    return rows_fit and (not x.is_cuda or all(gemv.weight_supported(p.weight) for p in projections))
+    rows_fit = kernels.small or (adapted and kernels.lora_small and x.shape[0] <= gemv.LAUNCH_MAX_ROWS)
+    # Decided per projection: one weight off the kernel's K step (gpt-oss's 2,880-wide inputs,
+    # 26B-A4B's 2,112-wide dense down_proj) runs cuBLAS without keeping the others off the GEMV.
+    # (CPU tensors take the op's reference implementation: tests and kernel_count.py.)
+    weights = [p.weight for p in projections]
+    return (rows_fit and all(gemv.weight_fits(w) for w in weights)
+            and (not x.is_cuda or all(w.is_cuda for w in weights)))
 
 
 def _on_gemv_4bit(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bool:

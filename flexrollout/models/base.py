@@ -345,10 +345,10 @@ class DecoderForward:
         return [p.quant for layer in self._linears for p in layer.values() if p.quant is not None]
 
     def _gemv_ready(self) -> bool:
-        """Every projection can run small batches through a GEMV kernel (16-bit: CUDA,
-        contiguous, input width a multiple of its block; 4-bit: its own kernel), so the LM head
-        of a 4-bit model keeps the 16-bit one."""
-        return all(gemv_ready(p) for layer in self._linears for p in layer.values())
+        """Some projection can run small batches through a GEMV kernel (16-bit: CUDA, contiguous,
+        input width a multiple of its block; 4-bit: its own kernel). Each projection is routed
+        on its own (`layers.linear._on_gemv`): the others run cuBLAS."""
+        return any(gemv_ready(p) for layer in self._linears for p in layer.values())
 
 
 def _math_shape(stack: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
