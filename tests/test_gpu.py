@@ -227,6 +227,34 @@ def test_moe_graphs_match_eager(preset):
         assert torch.allclose(torch.tensor(lp_x), torch.tensor(lp_y), atol=1e-3)
 
 
+@pytest.mark.parametrize("preset", ["gpt-oss-20b", "gemma-4-26b-a4b"])
+def test_live_lora_beside_weights_off_the_gemv_k_step_matches_peft(preset):
+    """gpt-oss's 2,880-wide inputs and 26B-A4B's 2,112-wide dense down_proj run cuBLAS while the
+    other projections take the GEMV (routing per projection), so the live-LoRA kernels run
+    on these models: folded into the GEMV, and cuBLAS + expand over the off-step weights. Real
+    widths at two layers, fp32, graphs, r=16 on every attention and dense MLP projection,
+    against PEFT's own generate (whose tokens the adapters change)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = random_model(preset, torch.float32, "cuda", 2048, num_layers=2)
+    prompts = _prompts(model.config.vocab_size, lengths=(5, 140), seed=9)
+    base = [_hf_greedy(model, p, 12) for p in prompts]
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj"] + (["gate_proj", "up_proj", "down_proj"]
+                                                          if preset.startswith("gemma") else [])
+    pm = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=modules)).eval()
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    want = [_hf_greedy(pm, p, 12) for p in prompts]
+    assert want != base, "the adapters should change PEFT's tokens"
+    llm = LLM(pm, max_model_len=1024, max_num_seqs=4, num_kv_pages=32)
+    assert llm.llm_engine.forward.options.small_rows > 0 and llm.llm_engine.forward.options.lora_kernels
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert llm.llm_engine.runner.graphs.graphs, "decode should have replayed a captured graph"
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 def test_moe_expert_lora_live_in_graphs_follows_updates():
     """bf16 Qwen3-MoE widths with PEFT expert LoRA (fp32 adapters): graphs replay PEFT's tensors
     in place; an in-place update is seen by the next generate. PEFT's bf16 forward adds B A to
