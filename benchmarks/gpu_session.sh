@@ -98,9 +98,12 @@
 #   routing_ab : (carry .whl and .ab_old = `git archive 3ca8fb0 flexrollout`) E2B decode 1 / 8 and
 #                26B-A4B 1 / 8 / 64 before and after Gemma's gate/up in one launch, sum_partials and
 #                GEMV routing per projection (26B-A4B's attention and gate/up now take it) (about 9 minutes)
+#   fifteenth : (carry .whl) routing_tests' live-LoRA tests on gpt-oss / 26B-A4B and the bf16
+#               fla_decode test, then E2B and 26B-A4B decode at 1 / 8 / 64 on today's tree alone
+#               (routing_ab's A/B in one call's time, about 9 minutes)
 #   routing_tests : the GPU tests of routing per projection (live LoRA on gpt-oss and 26B-A4B against
-#                   PEFT, their fp32 parity with HF), the revised bf16 fla_decode test, then 31B decode
-#                   at 1 / 8 against HF (about 9 minutes)
+#                   PEFT, their fp32 parity with HF), the revised bf16 fla_decode test, then where
+#                   Qwen3.5-4B's batch-64 step goes (profile_decode.py; carry .whl) (about 9 minutes)
 #   e2b_gemv : the GEMV tilings swept on Gemma-4-E2B's shapes at 1 / 8 rows (about 5 minutes)
 #   designs2 : (carry .whl) the 4-bit GEMV designs (code looked up by warp shuffle or prmt) at 1 / 8
 #              rows, each best tiling's kernel alone too
@@ -496,13 +499,21 @@ routing_ab)
         --gpu-memory-utilization 0.2 | tail -4 )
   done > "$out/routing_ab.txt"
   names="gpu routing_ab" ;;
+fifteenth)
+  gputest 200 tests/test_gpu.py tests/test_qwen35.py -k "off_the_gemv_k_step or bf16_fla_decode" \
+    | tail -8 > "$out/tests.txt"
+  bench 130 --preset gemma-4-e2b --batch-sizes 1,8,64 --workload decode \
+    --json "$out/gemma-4-e2b.json" | tail -4 > "$out/gemma-4-e2b.txt"
+  bench 170 --preset gemma-4-26b-a4b --batch-sizes 1,8,64 --workload decode \
+    --gpu-memory-utilization 0.2 --json "$out/gemma-4-26b-a4b.json" | tail -4 > "$out/gemma-4-26b-a4b.txt"
+  names="gpu tests gemma-4-e2b gemma-4-26b-a4b" ;;
 routing_tests)
   gputest 280 tests/test_gpu.py tests/test_gemma4.py tests/test_qwen35.py -k \
     "off_the_gemv_k_step or (fp32 and 26b) or gpt-oss-20b-grouped-gemv or bf16_fla_decode" \
     | tail -12 > "$out/tests.txt"
-  bench 270 --preset gemma-4-31b --batch-sizes 1,8 --workload decode --compare hf --hf-max-tokens 8 \
-    --gpu-memory-utilization 0.2 --json "$out/gemma-4-31b.json" | tail -5 > "$out/gemma-4-31b.txt"
-  names="gpu tests gemma-4-31b" ;;
+  timeout 270 python3 benchmarks/profile_decode.py --preset qwen3.5-4b --batch 64 2>&1 \
+    | tee -a "$out/full.log" | filter | tail -25 > "$out/qwen35-profile64.txt"
+  names="gpu tests qwen35-profile64" ;;
 e2b_gemv)
   # The GEMV's tilings on Gemma-4-E2B's shapes (the tiling rule came from Qwen3-4B's) at 1 / 8 rows.
   timeout 420 python3 benchmarks/gemv_sweep.py "$out/e2b_gemv.json" --shapes e2b --rows 1,8 2>&1 \
