@@ -101,6 +101,8 @@
 #   fifteenth : (carry .whl) routing_tests' live-LoRA tests on gpt-oss / 26B-A4B and the bf16
 #               fla_decode test, then E2B and 26B-A4B decode at 1 / 8 / 64 on today's tree alone
 #               (routing_ab's A/B in one call's time, about 9 minutes)
+#   sixteenth : fifteenth cut to about 7 minutes: the live-LoRA tests on gpt-oss / 26B-A4B, then
+#               26B-A4B and E2B decode at 1 / 8
 #   routing_tests : the GPU tests of routing per projection (live LoRA on gpt-oss and 26B-A4B against
 #                   PEFT, their fp32 parity with HF), the revised bf16 fla_decode test, then where
 #                   Qwen3.5-4B's batch-64 step goes (profile_decode.py; carry .whl) (about 9 minutes)
@@ -507,6 +509,13 @@ fifteenth)
   bench 170 --preset gemma-4-26b-a4b --batch-sizes 1,8,64 --workload decode \
     --gpu-memory-utilization 0.2 --json "$out/gemma-4-26b-a4b.json" | tail -4 > "$out/gemma-4-26b-a4b.txt"
   names="gpu tests gemma-4-e2b gemma-4-26b-a4b" ;;
+sixteenth)
+  gputest 160 tests/test_gpu.py -k "off_the_gemv_k_step" | tail -6 > "$out/tests.txt"
+  bench 150 --preset gemma-4-26b-a4b --batch-sizes 1,8 --workload decode \
+    --gpu-memory-utilization 0.2 --json "$out/gemma-4-26b-a4b.json" | tail -3 > "$out/gemma-4-26b-a4b.txt"
+  bench 110 --preset gemma-4-e2b --batch-sizes 1,8 --workload decode \
+    --json "$out/gemma-4-e2b.json" | tail -3 > "$out/gemma-4-e2b.txt"
+  names="gpu tests gemma-4-26b-a4b gemma-4-e2b" ;;
 routing_tests)
   gputest 280 tests/test_gpu.py tests/test_gemma4.py tests/test_qwen35.py -k \
     "off_the_gemv_k_step or (fp32 and 26b) or gpt-oss-20b-grouped-gemv or bf16_fla_decode" \
