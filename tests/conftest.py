@@ -616,3 +616,40 @@ def _graphs_everywhere(request):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(LLMEngine, "__init__", init)
         yield
+
+
+def small_kernels_on_cpu(monkeypatch, expert_rows: int = 0) -> dict:
+    """Decode steps on CPU take the small-batch paths CUDA takes: the GEMV op (its CPU reference)
+    for every weight it can stream, CPU tensors counting as CUDA ones (as
+    benchmarks/kernel_count.py --gemv lets them in), and `expert_rows` for the experts. Returns
+    what the ops saw: "gemv", the first weight of every GEMV call; "expert_rows", the small-row
+    limit every expert call got."""
+    from flexrollout.kernels import small_linear as sl
+    from flexrollout.layers import moe
+    from flexrollout.models import base
+
+    seen = {"gemv": [], "expert_rows": []}
+    monkeypatch.setattr(sl, "weight_supported", sl.weight_fits)
+    monkeypatch.setattr(sl, "supported", sl.fits)
+    step = base.DecoderForward._step
+
+    def small_step(self, input_ids, meta, cache):
+        made = step(self, input_ids, meta, cache)
+        kernels = dataclasses.replace(made.kernels, expert_rows=expert_rows,
+                                      small=input_ids.shape[0] <= self.options.small_rows)
+        return dataclasses.replace(made, kernels=kernels)
+
+    monkeypatch.setattr(base.DecoderForward, "_step", small_step)
+    gemv, experts = sl.small_linear, moe.moe_experts
+
+    def recorded_gemv(x, *weights, **kwargs):
+        seen["gemv"].append(weights[0])
+        return gemv(x, *weights, **kwargs)
+
+    def recorded_experts(*args):
+        seen["expert_rows"].append(args[-1])
+        return experts(*args)
+
+    monkeypatch.setattr(sl, "small_linear", recorded_gemv)
+    monkeypatch.setattr(moe, "moe_experts", recorded_experts)
+    return seen

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import TINY_EOS, TINY_VOCAB, make_tiny_tokenizer, randomize_lora, saved_adapter_models, tiny_llm
-from flexrollout import SamplingParams
+from flexrollout import LLM, SamplingParams
 
 VARIANTS = ["dense", "e2b", "moe", "wrapper"]
 PROMPTS = [[5, 17, 33, 2, 9, 100, 4, 8, 99, 250, 3], [300, 7, 8, 121, 64, 19, 23], [41, 42, 43, 44, 45, 46, 47, 48]]
@@ -26,7 +26,7 @@ LP_TOL = 1e-4
 PLACEHOLDERS = {"image_token_id": 500, "video_token_id": 501, "audio_token_id": 502}
 
 
-def make_tiny_gemma4(variant: str, seed: int = 0):
+def make_tiny_gemma4(variant: str, seed: int = 0, **overrides):
     """(model, tokenizer): a tiny random Gemma-4 of `variant`, fp32, eval mode. Weights are
     re-drawn as conftest's tiny models are (sharp q/k, norms 1 + 0.1 N(0, 1)), and the router's
     scales, per-expert scales and each layer's `layer_scalar` too, so that skipping any of them
@@ -44,6 +44,7 @@ def make_tiny_gemma4(variant: str, seed: int = 0):
     if variant == "moe":
         config.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
                       attention_k_eq_v=True, num_global_key_value_heads=1)
+    config.update(overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(Gemma4TextConfig(**config), dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -549,3 +550,21 @@ def test_real_widths_bf16_graphs_match_eager(preset, layers):
         lp_x = [next(iter(d.values())).logprob for d in x.outputs[0].logprobs]
         lp_y = [next(iter(d.values())).logprob for d in y.outputs[0].logprobs]
         assert torch.allclose(torch.tensor(lp_x), torch.tensor(lp_y), atol=1e-2)
+
+
+def test_small_moe_steps_route_and_run_experts_on_the_small_batch_kernels(monkeypatch, hf_greedy):
+    """26B-A4B-style layers in small decode steps: the router's projection takes the GEMV, and the
+    experts get the step's small-row limit (they ran grouped_mm at every batch size, the grouped
+    GEMV's GELU-tanh never reached); greedy decode still matches HF's on CPU."""
+    from conftest import small_kernels_on_cpu
+
+    seen = small_kernels_on_cpu(monkeypatch, expert_rows=64)
+    model, tok = make_tiny_gemma4("moe", hidden_size=128)
+    prompts = [[5, 17, 300, 42, 9, 11, 23, 40, 2, 7, 19, 33], [7, 8]]
+    refs = [hf_greedy(model, p, 6).tokens for p in prompts]
+    llm = LLM(model, tokenizer=tok, max_model_len=128, max_num_seqs=2, num_kv_pages=16)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == refs
+    routers = {id(layer.router.proj.weight) for layer in model.model.layers}
+    assert routers <= {id(w) for w in seen["gemv"]}
+    assert 64 in seen["expert_rows"]

@@ -2,7 +2,6 @@
 (and natively on CUDA when present)."""
 from __future__ import annotations
 
-import dataclasses
 import textwrap
 
 import pytest
@@ -260,24 +259,10 @@ def test_a_model_with_one_projection_off_the_k_step_decodes_the_rest_through_the
     and greedy decode matches HF's. Before, one such width turned the GEMV off model-wide."""
     from transformers import LlamaConfig
 
-    from conftest import _from_config, _hf_greedy, make_tiny_tokenizer
+    from conftest import _from_config, _hf_greedy, make_tiny_tokenizer, small_kernels_on_cpu
     from flexrollout import LLM, SamplingParams
-    from flexrollout.models import base
 
-    # CPU weights and inputs count as CUDA ones (as benchmarks/kernel_count.py --gemv lets them in)
-    monkeypatch.setattr(sl, "weight_supported", sl.weight_fits)
-    monkeypatch.setattr(sl, "supported", sl.fits)
-    step = base.DecoderForward._step
-
-    def small_step(self, input_ids, meta, cache):                  # as `_step` sets it on CUDA
-        made = step(self, input_ids, meta, cache)
-        kernels = dataclasses.replace(made.kernels, small=input_ids.shape[0] <= self.options.small_rows)
-        return dataclasses.replace(made, kernels=kernels)
-
-    monkeypatch.setattr(base.DecoderForward, "_step", small_step)
-    widths = []
-    op = sl.small_linear
-    monkeypatch.setattr(sl, "small_linear", lambda x, *w, **kw: widths.append(x.shape[1]) or op(x, *w, **kw))
+    seen = small_kernels_on_cpu(monkeypatch)
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=200, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, eos_token_id=511,
                          bos_token_id=1, pad_token_id=0, max_position_embeddings=256)
@@ -292,5 +277,6 @@ def test_a_model_with_one_projection_off_the_k_step_decodes_the_rest_through_the
     assert llm.llm_engine.forward.options.small_rows > 0
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == refs
+    widths = [w.shape[1] for w in seen["gemv"]]
     assert widths and set(widths) == {128}, set(widths)      # no GEMV call read down_proj's 200 wide input
     assert widths.count(128) >= 5 * 3 * 2                   # q/k/v, o, gate/up in each layer's decode steps

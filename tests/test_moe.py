@@ -244,6 +244,13 @@ if arch == "qwen3_moe":
     cfg = Qwen3MoeConfig(hidden_size=96, moe_intermediate_size=40, num_experts=6, num_experts_per_tok=2)
     experts = Qwen3MoeExperts(cfg)
     layout = dict(transposed=False, interleaved=False, act="silu", limit=7.0, alpha=1.702)
+elif arch == "gemma4":
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+    cfg = Gemma4TextConfig(hidden_size=96, moe_intermediate_size=40, num_experts=6, top_k_experts=2,
+                           enable_moe_block=True, hidden_activation="gelu_pytorch_tanh")
+    experts = Gemma4TextExperts(cfg)
+    layout = dict(transposed=False, interleaved=False, act="gelu_tanh", limit=7.0, alpha=1.702)
 else:
     cfg = GptOssConfig(hidden_size=96, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2)
     experts = GptOssExperts(cfg)
@@ -269,12 +276,30 @@ assert err < 1e-5, err
 """
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "gemma4"])
 def test_expert_gemv_kernel_matches_hf_experts(arch):
     """The small-batch grouped GEMV (Triton, interpreted on CPU) against HF's expert module:
-    both layouts (gpt-oss's interleaved gate/up), biases, the gpt-oss clamp, one expert with
-    most rows."""
+    both layouts (gpt-oss's interleaved gate/up), biases, the gpt-oss clamp, Gemma-4's GELU-tanh,
+    one expert with most rows."""
     pytest.importorskip("triton")
     from conftest import run_fresh_python
 
     run_fresh_python(_GEMV_CHECK.format(arch=arch), triton_interpret=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_small_steps_route_and_run_experts_on_the_small_batch_kernels(arch, monkeypatch, hf_greedy):
+    """In small decode steps the router's projection takes the GEMV like every other projection
+    (it ran cuBLAS, a launch of its own, in every MoE layer), and the experts get the step's
+    small-row limit; greedy decode still matches HF's (CPU: the GEMV's reference, grouped_mm)."""
+    from conftest import small_kernels_on_cpu
+
+    seen = small_kernels_on_cpu(monkeypatch, expert_rows=64)
+    model, tok = make_tiny_moe(arch, hidden_size=128)
+    refs = [hf_greedy(model, p, 12).tokens for p in PROMPTS]
+    llm = LLM(model, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=16)
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == refs
+    routers = {id(layer.mlp.router.weight if arch == "gpt_oss" else layer.mlp.gate.weight)
+               for layer in model.model.layers if hasattr(layer.mlp, "router") or hasattr(layer.mlp, "experts")}
+    assert routers and routers <= {id(w) for w in seen["gemv"]}
+    assert 64 in seen["expert_rows"]

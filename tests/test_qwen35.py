@@ -22,7 +22,7 @@ from conftest import (
     saved_adapter_models,
     tiny_llm,
 )
-from flexrollout import SamplingParams
+from flexrollout import LLM, SamplingParams
 
 ARCHS = ["dense", "moe"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -30,9 +30,9 @@ LP_TOL = 1e-4
 MIXED = random_prompts([11, 7, 23, 3], seed=7)
 
 
-def make_tiny_qwen35(arch: str, seed: int = 0):
+def make_tiny_qwen35(arch: str, seed: int = 0, **overrides):
     """(model, tokenizer): a tiny random Qwen3.5 text model (`Qwen3_5ForCausalLM` or
-    `Qwen3_5MoeForCausalLM`), fp32, eval mode."""
+    `Qwen3_5MoeForCausalLM`), fp32, eval mode; `overrides` replace config fields."""
     from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -40,6 +40,7 @@ def make_tiny_qwen35(arch: str, seed: int = 0):
                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                   full_attention_interval=2, max_position_embeddings=512, bos_token_id=1,
                   eos_token_id=TINY_EOS, pad_token_id=0, tie_word_embeddings=False)
+    common.update(overrides)
     if arch == "moe":
         config = Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                       shared_expert_intermediate_size=32, **common)
@@ -78,6 +79,24 @@ def tiny(request):
 
 def _tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
+
+
+def test_small_moe_steps_route_and_run_experts_on_the_small_batch_kernels(monkeypatch, hf_greedy):
+    """Qwen3.5-MoE (Qwen3.6-35B-A3B's layout) in small decode steps: the router's projection
+    takes the GEMV, and the experts get the step's small-row limit (they ran grouped_mm at every
+    batch size); greedy decode still matches HF's on CPU."""
+    from conftest import small_kernels_on_cpu
+
+    seen = small_kernels_on_cpu(monkeypatch, expert_rows=64)
+    model, tok = make_tiny_qwen35("moe", hidden_size=128)
+    prompts = [[5, 17, 33, 2, 9, 100, 4, 8, 99, 250, 3], [300, 7, 8, 121, 64, 19, 23]]
+    refs = [hf_greedy(model, p, 8).tokens for p in prompts]
+    llm = LLM(model, tokenizer=tok, max_model_len=128, max_num_seqs=2, num_kv_pages=16)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert _tokens(outs) == refs
+    routers = {id(layer.mlp.gate.weight) for layer in model.model.layers}
+    assert routers <= {id(w) for w in seen["gemv"]}
+    assert 64 in seen["expert_rows"]
 
 
 def _prompts(ids) -> list[dict]:

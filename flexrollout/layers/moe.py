@@ -21,15 +21,18 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import expert_gemv
+from .linear import Kernels, Linear, linear
 
 # The gated activations of expert MLPs.
 SILU, GELU_TANH, GPT_OSS = "silu", "gelu_tanh", "gpt_oss"
 
 
-def route_softmax_topk(h: torch.Tensor, router_w: torch.Tensor, top_k: int, renormalize: bool):
+def route_softmax_topk(h: torch.Tensor, router: Linear, top_k: int, renormalize: bool,
+                       kernels: Kernels):
     """Qwen3-MoE's router: fp32 softmax over the experts, top-k, optionally renormalised, cast
-    back. Returns (weights (T, k), expert ids (T, k))."""
-    return softmax_topk(F.linear(h, router_w), top_k, renormalize)
+    back. Returns (weights (T, k), expert ids (T, k)). The router's projection runs as every
+    other does (`linear`: the GEMV in small CUDA batches, where cuBLAS was a launch of its own)."""
+    return softmax_topk(linear(h, router, kernels), top_k, renormalize)
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool):
@@ -41,10 +44,9 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool):
     return weights.to(logits.dtype), ids
 
 
-def route_topk_softmax(h: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor | None,
-                       top_k: int):
+def route_topk_softmax(h: torch.Tensor, router: Linear, top_k: int, kernels: Kernels):
     """gpt-oss's router: top-k of the raw logits, then a softmax over those k."""
-    logits = F.linear(h, router_w, router_b)
+    logits = linear(h, router, kernels)
     top, ids = torch.topk(logits, top_k, dim=-1)
     return torch.softmax(top, dim=1, dtype=top.dtype), ids
 

@@ -98,9 +98,9 @@ class Router:
     top_k: int
 
 
-def route(hidden: torch.Tensor, router: Router, eps: float):
+def route(hidden: torch.Tensor, router: Router, eps: float, kernels: Kernels):
     h = rms_norm(hidden, None, eps) * router.scale * hidden.shape[-1] ** -0.5
-    weights, ids = softmax_topk(linear(h, router.proj), router.top_k, renormalize=True)
+    weights, ids = softmax_topk(linear(h, router.proj, kernels), router.top_k, renormalize=True)
     return weights * router.per_expert_scale[ids], ids
 
 
@@ -130,8 +130,9 @@ def attention_out_mlp_moe(attn, residual, o: Linear, post_attn_w, pre_ff_w, gate
     routed from the residual and reading their own pre-norm of it."""
     hidden = residual + rms_norm(linear(attn, o, kernels), post_attn_w, eps, FP32)
     mlp = gated_mlp(rms_norm(hidden, pre_ff_w, eps, FP32), gate, up, down, act, kernels)
-    weights, ids = route(hidden, router, eps)
-    moe = experts_forward(rms_norm(hidden, pre_moe_w, eps, FP32), weights, ids, experts)
+    weights, ids = route(hidden, router, eps, kernels)
+    moe = experts_forward(rms_norm(hidden, pre_moe_w, eps, FP32), weights, ids, experts,
+                          kernels.expert_rows)
     ffn = rms_norm(mlp, post_mlp_w, eps, FP32) + rms_norm(moe, post_moe_w, eps, FP32)
     return _ffn_out(hidden, ffn, post_ff_w, ple, ple_rows, layer_scalar, act, eps, kernels)
 

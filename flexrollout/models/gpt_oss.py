@@ -28,12 +28,12 @@ from .llama import LlamaForward
 
 
 def attention_out_routed(attn: torch.Tensor, residual: torch.Tensor, o: Linear, ln_w: torch.Tensor,
-                         router_w: torch.Tensor, router_b: torch.Tensor | None, experts: Experts,
-                         top_k: int, eps: float, norm_style: str, kernels: Kernels) -> torch.Tensor:
+                         router: Linear, experts: Experts, top_k: int, eps: float, norm_style: str,
+                         kernels: Kernels) -> torch.Tensor:
     """o_proj + residual -> post-attention norm -> top-k-then-softmax routed experts + residual."""
     hidden = residual + linear(attn, o, kernels)
     h = rms_norm(hidden, ln_w, eps, norm_style)
-    weights, ids = route_topk_softmax(h, router_w, router_b, top_k)
+    weights, ids = route_topk_softmax(h, router, top_k, kernels)
     return hidden + experts_forward(h, weights, ids, experts, kernels.expert_rows)
 
 
@@ -66,5 +66,5 @@ class GptOssForward(LlamaForward):
         layer = self.body.layers[index]
         router = layer.mlp.router
         return (self.linear(index, "o_proj", step), layer.post_attention_layernorm.weight,
-                router.weight, router.bias, self.layer_experts(index, step), self.config.num_experts_per_tok,
+                Linear(router.weight, router.bias), self.layer_experts(index, step), self.config.num_experts_per_tok,
                 self.eps, self.NORM, step.kernels)

@@ -77,13 +77,13 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 
 def out_shared_moe(attn: torch.Tensor, residual: torch.Tensor, o: Linear, ln_w: torch.Tensor,
-                   router_w: torch.Tensor, experts: Experts, top_k: int, shared_gate: Linear,
+                   router: Linear, experts: Experts, top_k: int, shared_gate: Linear,
                    gate: Linear, up: Linear, down: Linear, act, eps: float, kernels: Kernels) -> torch.Tensor:
     """output projection + residual -> post norm -> routed experts + gated shared expert + residual."""
     hidden = residual + linear(attn, o, kernels)
     h = rms_norm(hidden, ln_w, eps, OFFSET)
-    weights, ids = route_softmax_topk(h, router_w, top_k, True)
-    routed = experts_forward(h, weights, ids, experts)
+    weights, ids = route_softmax_topk(h, router, top_k, True, kernels)
+    routed = experts_forward(h, weights, ids, experts, kernels.expert_rows)
     shared = gated_mlp(h, gate, up, down, act, kernels) * torch.sigmoid(linear(h, shared_gate, kernels))
     return hidden + (routed + shared)
 
@@ -178,7 +178,7 @@ class Qwen3_5Forward(DecoderForward):
         out = lin(index, "out_proj" if self.is_linear(index) else "o_proj", step)
         norm = layer.post_attention_layernorm.weight
         if self.is_moe(index):
-            return (out, norm, layer.mlp.gate.weight, self.layer_experts(index, step),
+            return (out, norm, Linear(layer.mlp.gate.weight), self.layer_experts(index, step),
                     self.config.num_experts_per_tok, lin(index, "shared_expert_gate", step),
                     lin(index, "shared_gate_proj", step), lin(index, "shared_up_proj", step),
                     lin(index, "shared_down_proj", step), self.act, self.eps, step.kernels)

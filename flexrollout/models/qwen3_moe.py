@@ -16,12 +16,12 @@ from .llama import LlamaForward
 
 
 def attention_out_moe(attn: torch.Tensor, residual: torch.Tensor, o: Linear, ln_w: torch.Tensor,
-                      router_w: torch.Tensor, experts: Experts, top_k: int, renormalize: bool,
+                      router: Linear, experts: Experts, top_k: int, renormalize: bool,
                       eps: float, norm_style: str, kernels: Kernels) -> torch.Tensor:
     """o_proj + residual -> post-attention norm -> routed experts + residual."""
     hidden = residual + linear(attn, o, kernels)
     h = rms_norm(hidden, ln_w, eps, norm_style)
-    weights, ids = route_softmax_topk(h, router_w, top_k, renormalize)
+    weights, ids = route_softmax_topk(h, router, top_k, renormalize, kernels)
     return hidden + experts_forward(h, weights, ids, experts, kernels.expert_rows)
 
 
@@ -47,5 +47,5 @@ class Qwen3MoeForward(LlamaForward):
             return super().post_args(index, step)
         layer = self.body.layers[index]
         return (self.linear(index, "o_proj", step), layer.post_attention_layernorm.weight,
-                layer.mlp.gate.weight, self.layer_experts(index, step), self.config.num_experts_per_tok,
+                Linear(layer.mlp.gate.weight), self.layer_experts(index, step), self.config.num_experts_per_tok,
                 bool(self.config.norm_topk_prob), self.eps, self.NORM, step.kernels)
