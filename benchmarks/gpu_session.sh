@@ -103,6 +103,10 @@
 #               (routing_ab's A/B in one call's time, about 9 minutes)
 #   sixteenth : fifteenth cut to about 7 minutes: the live-LoRA tests on gpt-oss / 26B-A4B, then
 #               26B-A4B and E2B decode at 1 / 8
+#   seventeenth : MoE routers on the GEMV, 26B-A4B's experts on the grouped GEMV (GELU-tanh): the
+#                 real-width fp32 tests of 26B-A4B (grouped GEMV and graphs) and Qwen3-30B-A3B, the
+#                 rewritten 26B-A4B live-LoRA test, then 26B-A4B at 1 / 8 / 64 and Qwen3-30B-A3B
+#                 at 1 / 8 (about 9 minutes)
 #   routing_tests : the GPU tests of routing per projection (live LoRA on gpt-oss and 26B-A4B against
 #                   PEFT, their fp32 parity with HF), the revised bf16 fla_decode test, then where
 #                   Qwen3.5-4B's batch-64 step goes (profile_decode.py; carry .whl) (about 9 minutes)
@@ -516,6 +520,15 @@ sixteenth)
   bench 110 --preset gemma-4-e2b --batch-sizes 1,8 --workload decode \
     --json "$out/gemma-4-e2b.json" | tail -3 > "$out/gemma-4-e2b.txt"
   names="gpu tests gemma-4-26b-a4b gemma-4-e2b" ;;
+seventeenth)
+  gputest 250 tests/test_gemma4.py tests/test_gpu.py -k \
+    "(fp32 and 26b and not epilogue) or (off_the_gemv_k_step and 26b) or (moe_real_widths and qwen3)" \
+    | tail -8 > "$out/tests.txt"
+  bench 170 --preset gemma-4-26b-a4b --batch-sizes 1,8,64 --workload decode \
+    --gpu-memory-utilization 0.2 --json "$out/gemma-4-26b-a4b.json" | tail -4 > "$out/gemma-4-26b-a4b.txt"
+  bench 120 --preset qwen3-30b-a3b --batch-sizes 1,8 --workload decode \
+    --gpu-memory-utilization 0.55 | tail -3 > "$out/qwen3-30b-a3b.txt"
+  names="gpu tests gemma-4-26b-a4b qwen3-30b-a3b" ;;
 routing_tests)
   gputest 280 tests/test_gpu.py tests/test_gemma4.py tests/test_qwen35.py -k \
     "off_the_gemv_k_step or (fp32 and 26b) or gpt-oss-20b-grouped-gemv or bf16_fla_decode" \
