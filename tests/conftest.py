@@ -653,3 +653,20 @@ def small_kernels_on_cpu(monkeypatch, expert_rows: int = 0) -> dict:
     monkeypatch.setattr(sl, "small_linear", recorded_gemv)
     monkeypatch.setattr(moe, "moe_experts", recorded_experts)
     return seen
+
+
+def assert_small_moe_steps_take_small_kernels(monkeypatch, model, tok, prompts, routers,
+                                              new_tokens: int) -> None:
+    """A MoE model's small decode steps (`small_kernels_on_cpu`, 64 expert rows) decode greedily
+    as HF does, every router weight in `routers` is read by the GEMV, and the experts get the
+    step's small-row limit."""
+    from flexrollout import LLM, SamplingParams
+
+    seen = small_kernels_on_cpu(monkeypatch, expert_rows=64)
+    refs = [_hf_greedy(model, p, new_tokens).tokens for p in prompts]
+    llm = LLM(model, tokenizer=tok, max_model_len=128, max_num_seqs=len(prompts), num_kv_pages=16)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == refs
+    assert routers and {id(w) for w in routers} <= {id(w) for w in seen["gemv"]}
+    assert 64 in seen["expert_rows"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import TINY_EOS, TINY_VOCAB, make_tiny_tokenizer, randomize_lora, saved_adapter_models, tiny_llm
-from flexrollout import LLM, SamplingParams
+from flexrollout import SamplingParams
 
 VARIANTS = ["dense", "e2b", "moe", "wrapper"]
 PROMPTS = [[5, 17, 33, 2, 9, 100, 4, 8, 99, 250, 3], [300, 7, 8, 121, 64, 19, 23], [41, 42, 43, 44, 45, 46, 47, 48]]
@@ -552,19 +552,13 @@ def test_real_widths_bf16_graphs_match_eager(preset, layers):
         assert torch.allclose(torch.tensor(lp_x), torch.tensor(lp_y), atol=1e-2)
 
 
-def test_small_moe_steps_route_and_run_experts_on_the_small_batch_kernels(monkeypatch, hf_greedy):
+def test_small_moe_steps_route_and_run_experts_on_the_small_batch_kernels(monkeypatch):
     """26B-A4B-style layers in small decode steps: the router's projection takes the GEMV, and the
     experts get the step's small-row limit (they ran grouped_mm at every batch size, the grouped
     GEMV's GELU-tanh never reached); greedy decode still matches HF's on CPU."""
-    from conftest import small_kernels_on_cpu
+    from conftest import assert_small_moe_steps_take_small_kernels
 
-    seen = small_kernels_on_cpu(monkeypatch, expert_rows=64)
     model, tok = make_tiny_gemma4("moe", hidden_size=128)
     prompts = [[5, 17, 300, 42, 9, 11, 23, 40, 2, 7, 19, 33], [7, 8]]
-    refs = [hf_greedy(model, p, 6).tokens for p in prompts]
-    llm = LLM(model, tokenizer=tok, max_model_len=128, max_num_seqs=2, num_kv_pages=16)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == refs
-    routers = {id(layer.router.proj.weight) for layer in model.model.layers}
-    assert routers <= {id(w) for w in seen["gemv"]}
-    assert 64 in seen["expert_rows"]
+    routers = [layer.router.proj.weight for layer in model.model.layers]
+    assert_small_moe_steps_take_small_kernels(monkeypatch, model, tok, prompts, routers, 6)

@@ -288,18 +288,13 @@ def test_expert_gemv_kernel_matches_hf_experts(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_small_steps_route_and_run_experts_on_the_small_batch_kernels(arch, monkeypatch, hf_greedy):
+def test_small_steps_route_and_run_experts_on_the_small_batch_kernels(arch, monkeypatch):
     """In small decode steps the router's projection takes the GEMV like every other projection
     (it ran cuBLAS, a launch of its own, in every MoE layer), and the experts get the step's
     small-row limit; greedy decode still matches HF's (CPU: the GEMV's reference, grouped_mm)."""
-    from conftest import small_kernels_on_cpu
+    from conftest import assert_small_moe_steps_take_small_kernels
 
-    seen = small_kernels_on_cpu(monkeypatch, expert_rows=64)
     model, tok = make_tiny_moe(arch, hidden_size=128)
-    refs = [hf_greedy(model, p, 12).tokens for p in PROMPTS]
-    llm = LLM(model, tokenizer=tok, max_model_len=128, max_num_seqs=4, num_kv_pages=16)
-    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == refs
-    routers = {id(layer.mlp.router.weight if arch == "gpt_oss" else layer.mlp.gate.weight)
-               for layer in model.model.layers if hasattr(layer.mlp, "router") or hasattr(layer.mlp, "experts")}
-    assert routers and routers <= {id(w) for w in seen["gemv"]}
-    assert 64 in seen["expert_rows"]
+    routers = [layer.mlp.router.weight if arch == "gpt_oss" else layer.mlp.gate.weight
+               for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert_small_moe_steps_take_small_kernels(monkeypatch, model, tok, PROMPTS, routers, 12)

@@ -22,7 +22,7 @@ from conftest import (
     saved_adapter_models,
     tiny_llm,
 )
-from flexrollout import LLM, SamplingParams
+from flexrollout import SamplingParams
 
 ARCHS = ["dense", "moe"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -81,22 +81,16 @@ def _tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_small_moe_steps_route_and_run_experts_on_the_small_batch_kernels(monkeypatch, hf_greedy):
+def test_small_moe_steps_route_and_run_experts_on_the_small_batch_kernels(monkeypatch):
     """Qwen3.5-MoE (Qwen3.6-35B-A3B's layout) in small decode steps: the router's projection
     takes the GEMV, and the experts get the step's small-row limit (they ran grouped_mm at every
     batch size); greedy decode still matches HF's on CPU."""
-    from conftest import small_kernels_on_cpu
+    from conftest import assert_small_moe_steps_take_small_kernels
 
-    seen = small_kernels_on_cpu(monkeypatch, expert_rows=64)
     model, tok = make_tiny_qwen35("moe", hidden_size=128)
     prompts = [[5, 17, 33, 2, 9, 100, 4, 8, 99, 250, 3], [300, 7, 8, 121, 64, 19, 23]]
-    refs = [hf_greedy(model, p, 8).tokens for p in prompts]
-    llm = LLM(model, tokenizer=tok, max_model_len=128, max_num_seqs=2, num_kv_pages=16)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    assert _tokens(outs) == refs
-    routers = {id(layer.mlp.gate.weight) for layer in model.model.layers}
-    assert routers <= {id(w) for w in seen["gemv"]}
-    assert 64 in seen["expert_rows"]
+    routers = [layer.mlp.gate.weight for layer in model.model.layers]
+    assert_small_moe_steps_take_small_kernels(monkeypatch, model, tok, prompts, routers, 8)
 
 
 def _prompts(ids) -> list[dict]:
