@@ -98,11 +98,8 @@
 #   routing_ab : (carry .whl and .ab_old = `git archive 3ca8fb0 flexrollout`) E2B decode 1 / 8 and
 #                26B-A4B 1 / 8 / 64 before and after Gemma's gate/up in one launch, sum_partials and
 #                GEMV routing per projection (26B-A4B's attention and gate/up now take it) (about 9 minutes)
-#   fifteenth : (carry .whl) routing_tests' live-LoRA tests on gpt-oss / 26B-A4B and the bf16
-#               fla_decode test, then E2B and 26B-A4B decode at 1 / 8 / 64 on today's tree alone
-#               (routing_ab's A/B in one call's time, about 9 minutes)
-#   sixteenth : fifteenth cut to about 7 minutes: the live-LoRA tests on gpt-oss / 26B-A4B, then
-#               26B-A4B and E2B decode at 1 / 8
+#   sixteenth : the live-LoRA tests on gpt-oss / 26B-A4B, then 26B-A4B and E2B decode at 1 / 8 on
+#               today's tree alone (about 7 minutes; 2026-12-07's H200 figures)
 #   seventeenth : MoE routers on the GEMV, 26B-A4B's experts on the grouped GEMV (GELU-tanh): the
 #                 real-width fp32 tests of 26B-A4B (grouped GEMV and graphs) and Qwen3-30B-A3B, the
 #                 rewritten 26B-A4B live-LoRA test, then 26B-A4B at 1 / 8 / 64 and Qwen3-30B-A3B
@@ -505,14 +502,6 @@ routing_ab)
         --gpu-memory-utilization 0.2 | tail -4 )
   done > "$out/routing_ab.txt"
   names="gpu routing_ab" ;;
-fifteenth)
-  gputest 200 tests/test_gpu.py tests/test_qwen35.py -k "off_the_gemv_k_step or bf16_fla_decode" \
-    | tail -8 > "$out/tests.txt"
-  bench 130 --preset gemma-4-e2b --batch-sizes 1,8,64 --workload decode \
-    --json "$out/gemma-4-e2b.json" | tail -4 > "$out/gemma-4-e2b.txt"
-  bench 170 --preset gemma-4-26b-a4b --batch-sizes 1,8,64 --workload decode \
-    --gpu-memory-utilization 0.2 --json "$out/gemma-4-26b-a4b.json" | tail -4 > "$out/gemma-4-26b-a4b.txt"
-  names="gpu tests gemma-4-e2b gemma-4-26b-a4b" ;;
 sixteenth)
   gputest 160 tests/test_gpu.py -k "off_the_gemv_k_step" | tail -6 > "$out/tests.txt"
   bench 150 --preset gemma-4-26b-a4b --batch-sizes 1,8 --workload decode \
