@@ -104,6 +104,8 @@
 #                 real-width fp32 tests of 26B-A4B (grouped GEMV and graphs) and Qwen3-30B-A3B, the
 #                 rewritten 26B-A4B live-LoRA test, then 26B-A4B at 1 / 8 / 64 and Qwen3-30B-A3B
 #                 at 1 / 8 (about 9 minutes)
+#   h200_gemma : Gemma-4-E2B and 31B decode at 1 / 8 / 64 against their rooflines and HF (E2B's batch 64
+#                and 31B have no H200 figure yet; 31B at 64 rows fits an H200's memory) (about 8 minutes)
 #   routing_tests : the GPU tests of routing per projection (live LoRA on gpt-oss and 26B-A4B against
 #                   PEFT, their fp32 parity with HF), the revised bf16 fla_decode test, then where
 #                   Qwen3.5-4B's batch-64 step goes (profile_decode.py; carry .whl) (about 9 minutes)
@@ -518,6 +520,12 @@ seventeenth)
   bench 120 --preset qwen3-30b-a3b --batch-sizes 1,8 --workload decode \
     --gpu-memory-utilization 0.55 | tail -3 > "$out/qwen3-30b-a3b.txt"
   names="gpu tests gemma-4-26b-a4b qwen3-30b-a3b" ;;
+h200_gemma)
+  for run in gemma-4-e2b:150:0.5 gemma-4-31b:300:0.2; do IFS=: read -r preset limit memory <<< "$run"
+    bench $limit --preset $preset --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
+      --gpu-memory-utilization $memory --json "$out/$preset.json" | tail -6 > "$out/$preset.txt"
+  done
+  names="gpu gemma-4-e2b gemma-4-31b" ;;
 routing_tests)
   gputest 280 tests/test_gpu.py tests/test_gemma4.py tests/test_qwen35.py -k \
     "off_the_gemv_k_step or (fp32 and 26b) or gpt-oss-20b-grouped-gemv or bf16_fla_decode" \
