@@ -50,6 +50,8 @@ BLOCK_N = 64
 # (o_proj, 40 blocks: split 8 reads 2.84 TB/s at M = 1, split 2 2.72; benchmarks/gemv_sweep.py.)
 MIN_PROGRAMS = 256
 MAX_SPLIT = 8
+# Long-K tiles with fewer programs than this leave the GPU's SMs idle (see _long_k_tiling).
+LONG_K_MIN_PROGRAMS = 64
 # K slices per adapter in the fused shrink (each a program; the GEMV's slice-0 programs sum them).
 SHRINK_SPLIT = 16
 
@@ -144,6 +146,11 @@ def _long_k_tiling(m: int, n_total: int, k: int, dtype: torch.dtype) -> Tiling |
     # M = 1 is its own compiled specialisation anyway (dynamo specialises size 1), so the split
     # changing there adds no recompile of the regions that sum these partials.
     tile = Tiling(block_k=256, split=2) if m == 1 else Tiling(block_n=128, split=4)
+    if -(-n_total // tile.block_n) * tile.split < LONG_K_MIN_PROGRAMS:
+        # Narrow outputs (Gemma-4-E2B's down, 1536 x 6144 / 12288, and its per-layer-input gate,
+        # 256 x 1536) leave those tiles too few programs: 64-row blocks, 128-wide K steps and
+        # split 4 ran 8-10% faster at M = 1 and 8 (H100, BENCHMARKS.md "fifteenth session").
+        tile = Tiling(split=4)
     return tile if k % (tile.split * tile.block_k) == 0 else None
 
 
