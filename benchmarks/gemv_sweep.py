@@ -6,7 +6,7 @@ the engine picks today (`small_linear.tiling`), and for the best tiling found. T
 engine's tiling, a chain of 8 (elementwise kernel -> projection) pairs with and without
 programmatic dependent launch, as in a decode step where each projection follows a fused norm.
 
-    python benchmarks/gemv_sweep.py [OUT.json] [--shapes qkv,o | e2b] [--rows 1,8] [--engine-only]
+    python benchmarks/gemv_sweep.py [OUT.json] [--shapes qkv,o | e2b | ragged] [--rows 1,8] [--engine-only]
 """
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ E2B_SHAPES = {"e2b_qkv": ([2048, 256, 256], 1536, False), "e2b_o": ([1536], 2048
               "e2b_down": ([1536], 6144, False), "e2b_down2": ([1536], 12288, False),
               "e2b_ple_gate": ([256], 1536, False), "e2b_ple_proj": ([1536], 256, False),
               "e2b_lm_head": ([262144], 1536, False)}
+# Input widths off the 128-wide K step (masked K tails): 26B-A4B's dense down_proj, gpt-oss's
+# q/k/v and router (`--shapes ragged`).
+RAGGED_SHAPES = {"a4b_down": ([2816], 2112, False), "oss_qkv": ([4096, 512, 512], 2880, False),
+                 "oss_router": ([32], 2880, False)}
+GROUPS = {"e2b": E2B_SHAPES, "ragged": RAGGED_SHAPES}
 ROWS = (1, 8, 32, 64)
 
 
@@ -69,9 +74,13 @@ def graph_us_cycling(fn, copies: int) -> float:
 def candidates(k: int, silu: bool):
     for block_n, block_k, split, stages in itertools.product((32, 64, 128), (128, 256),
                                                              (1, 2, 4, 8), (3, 5)):
-        if (silu and split > 1) or k % (split * block_k):
+        tile = sl.Tiling(block_n=block_n, block_k=block_k, split=split, warps=4, stages=stages)
+        # Widths on the K step: tilings that divide it; off it: slices of whole steps, none empty.
+        ragged = k % sl.BLOCK_K != 0
+        if (silu and split > 1) or (not ragged and k % (split * block_k)) or (
+                ragged and sl.k_per_split(k, tile) * (split - 1) >= k):
             continue
-        yield sl.Tiling(block_n=block_n, block_k=block_k, split=split, warps=4, stages=stages)
+        yield tile
 
 
 def refinements(best: sl.Tiling):
@@ -94,9 +103,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     results = {}
-    names = [n for name in args.shapes.split(",") for n in (E2B_SHAPES if name == "e2b" else [name])]
+    names = [n for name in args.shapes.split(",") for n in GROUPS.get(name, [name])]
     for name in names:
-        widths, k, silu = {**SHAPES, **E2B_SHAPES}[name]
+        widths, k, silu = {**SHAPES, **E2B_SHAPES, **RAGGED_SHAPES}[name]
         copies = 2 if name.endswith("lm_head") else 8
         sets = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in widths]
                 for _ in range(copies)]

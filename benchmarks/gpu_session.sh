@@ -106,6 +106,9 @@
 #                 at 1 / 8 (about 9 minutes)
 #   h200_gemma : Gemma-4-E2B and 31B decode at 1 / 8 / 64 against their rooflines and HF (E2B's batch 64
 #                and 31B have no H200 figure yet; 31B at 64 rows fits an H200's memory) (about 8 minutes)
+#   ragged : the GEMV over input widths off its 128-wide K step (masked K tails: 26B-A4B's 2,112-wide
+#            dense down, gpt-oss's 2,880-wide q/k/v and router): its CUDA tests, cuBLAS against the
+#            engine's tiling at 1 / 8 rows, then 26B-A4B decode at 1 / 8 (about 4 minutes)
 #   routing_tests : the GPU tests of routing per projection (live LoRA on gpt-oss and 26B-A4B against
 #                   PEFT, their fp32 parity with HF), the revised bf16 fla_decode test, then where
 #                   Qwen3.5-4B's batch-64 step goes (profile_decode.py; carry .whl) (about 9 minutes)
@@ -526,6 +529,13 @@ h200_gemma)
       --gpu-memory-utilization $memory --json "$out/$preset.json" | tail -6 > "$out/$preset.txt"
   done
   names="gpu gemma-4-e2b gemma-4-31b" ;;
+ragged)
+  gputest 100 tests/test_kernels.py -k on_cuda | tail -4 > "$out/tests.txt"
+  timeout 80 python3 benchmarks/gemv_sweep.py "$out/ragged.json" --shapes ragged --rows 1,8 --engine-only 2>&1 \
+    | tee -a "$out/full.log" | grep -v -e skip -e Warn > "$out/ragged.txt"
+  bench 110 --preset gemma-4-26b-a4b --batch-sizes 1,8 --workload decode \
+    --gpu-memory-utilization 0.2 | tail -3 > "$out/gemma-4-26b-a4b.txt"
+  names="gpu tests ragged gemma-4-26b-a4b" ;;
 routing_tests)
   gputest 280 tests/test_gpu.py tests/test_gemma4.py tests/test_qwen35.py -k \
     "off_the_gemv_k_step or (fp32 and 26b) or gpt-oss-20b-grouped-gemv or bf16_fla_decode" \

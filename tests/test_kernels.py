@@ -53,6 +53,12 @@ CASES = [
     (1, 1024, [64], False, {"block_k": 256, "split": 2}, "float16", 1e-2),
     (8, 1024, [136], False, {"block_n": 128, "split": 4}, "float16", 1e-2),
     (1, 1024, [64], False, "auto", "float16", 1e-2),
+    # Input widths off the 128-wide K step (26B-A4B's 2,112, gpt-oss's 2,880): masked K tails,
+    # unsplit, split in two, in three uneven slices, and under the gated epilogue.
+    (3, 320, [64, 40], False, "auto", "float32", 1e-6),
+    (2, 704, [96], False, "auto", "float16", 1e-2),
+    (5, 704, [70, 16], False, {"split": 3}, "float32", 1e-6),
+    (3, 320, [72, 72], True, "auto", "float32", 1e-6),
 ]
 
 
@@ -138,7 +144,25 @@ def test_narrow_long_k_tiling_rule(m, n, k):
     assert sl.tiling(m, n, k, False, torch.bfloat16) == sl.Tiling(split=4, stages=5)
 
 
-@pytest.mark.parametrize("n, k", _SHAPES)
+# Widths off the 128-wide K step: 26B-A4B's dense down_proj, gpt-oss's q/k/v, router, LM head.
+_RAGGED_SHAPES = [(2816, 2112), (5120, 2880), (32, 2880), (201088, 2880), (104, 320), (96, 704)]
+
+
+@pytest.mark.parametrize("n, k", _RAGGED_SHAPES)
+def test_split_rule_off_the_k_step(n, k):
+    """A width off the K step splits into slices of whole 128-wide steps that cover K, none
+    empty (the kernel would store zeros for it), each of two steps or more when split, at most
+    MAX_SPLIT, as many as the 256-program rule asks."""
+    split = sl.split_k(n, k, False)
+    k_per = sl.k_per_split(k, sl.Tiling(split=split))
+    assert 1 <= split <= 8 and k_per % 128 == 0
+    assert k_per * split >= k > k_per * (split - 1)
+    assert split == 1 or k_per >= 256
+    assert -(-n // 64) * split >= 256 or split > 4 or -(-k // 128) < 4 * split
+    assert sl.split_k(n, k, True) == 1
+
+
+@pytest.mark.parametrize("n, k", _SHAPES + _RAGGED_SHAPES)
 @pytest.mark.parametrize("m", [1, 8, 32])
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -146,7 +170,9 @@ def test_every_tiling_is_launchable(n, k, m, silu, dtype):
     """Whatever tiling() picks, `launch` accepts: whole K steps per split, known block sizes, no
     split of SiLU-mul's whole sums. (The interpreter cases marked "auto" run such picks.)"""
     tile = sl.tiling(m, n, k, silu, dtype)
-    assert k % (tile.split * tile.block_k) == 0, tile
+    k_per = sl.k_per_split(k, tile)
+    assert k_per % tile.block_k == 0 and k_per * tile.split >= k > k_per * (tile.split - 1), tile
+    assert k % (tile.split * tile.block_k) == 0 or k % 128 != 0, tile     # ragged only off the step
     assert tile.block_n in (64, 128) and tile.block_k in (128, 256)
     if silu:
         assert tile.split == 1
@@ -168,6 +194,13 @@ def test_kernel_on_cuda(m):
         act = sl.small_linear(x, gate, up, silu_mul=True, act="gelu_tanh")[0].double()
         ref = torch.nn.functional.gelu(x.double() @ gate.double().T, approximate="tanh") * (x.double() @ up.double().T)
         assert ((act - ref).norm() / ref.norm()).item() < tol
+        # Widths off the K step, masked K tails: 26B-A4B's down (2,112), gpt-oss's q/k/v (2,880).
+        for widths, k in (((2816,), 2112), ((4096, 512, 512), 2880)):
+            ws = [torch.randn(n, k, device="cuda", dtype=dtype) for n in widths]
+            xk = torch.randn(m, k, device="cuda", dtype=dtype)
+            got = sl.small_linear(xk, *ws).sum(0).double()
+            ref = torch.cat([xk.double() @ w.double().T for w in ws], dim=1)
+            assert ((got - ref).norm() / ref.norm()).item() < tol, (widths, k)
 
 
 @pytest.mark.gpu
@@ -241,9 +274,9 @@ def test_gated_act_runs_gemmas_gelu_tanh_in_the_gate_up_launch(monkeypatch):
 
 
 def test_weights_off_the_k_step_run_cublas_without_keeping_the_group_off(monkeypatch):
-    """Routing is per projection: a group whose input width is off the GEMV's 128-wide K step
-    (gpt-oss's 2,880, 26B-A4B's 2,112-wide down_proj) runs F.linear, and one on it still comes
-    back as the GEMV's partials; both compute the projection."""
+    """Routing is per projection: a group whose input width the GEMV cannot stream (not a
+    multiple of 64) runs F.linear, and one it can still comes back as the GEMV's partials; both
+    compute the projection."""
     from flexrollout.layers.linear import Kernels, Linear, gated_act, linear, project_group
 
     monkeypatch.setattr(sl, "supported", sl.fits)       # `linear`'s path on CPU tensors too
@@ -264,6 +297,31 @@ def test_weights_off_the_k_step_run_cublas_without_keeping_the_group_off(monkeyp
                                    rtol=1e-5, atol=1e-4)
         assert shapes == [fan_in] * (3 if on_gemv else 0), (fan_in, shapes)
         shapes.clear()
+
+
+def test_widths_off_the_k_step_take_the_gemv_unless_adapted(monkeypatch):
+    """A width that is a multiple of 64 but not of the 128-wide K step (26B-A4B's 2,112-wide
+    down_proj, gpt-oss's 2,880-wide inputs; 320 here) streams through the GEMV with masked K
+    tails; with a live adapter it runs cuBLAS + expand instead (the LoRA kernels' K slices
+    are whole steps), while a 256-wide adapted projection keeps the GEMV. All compute PEFT's
+    W x + s B A x."""
+    from flexrollout.layers.linear import Kernels, Linear, linear
+
+    monkeypatch.setattr(sl, "supported", sl.fits)       # `linear`'s path on CPU tensors too
+    widths = []
+    op = sl.small_linear
+    monkeypatch.setattr(sl, "small_linear", lambda x, *w, **kw: widths.append(x.shape[1]) or op(x, *w, **kw))
+    torch.manual_seed(0)
+    kernels = Kernels(small=True, lora_small=True)
+    for fan_in, adapted, on_gemv in ((320, False, True), (320, True, False), (256, True, True)):
+        x, weight = torch.randn(3, fan_in), torch.randn(40, fan_in)
+        lora_a, lora_b = torch.randn(4, fan_in), torch.randn(40, 4)
+        p = Linear(weight, lora=((lora_a, lora_b, 0.5),) if adapted else ())
+        want = x @ weight.T + (0.5 * (x @ lora_a.T) @ lora_b.T if adapted else 0)
+        torch.testing.assert_close(linear(x, p, kernels), want, rtol=1e-5, atol=1e-4)
+        assert widths == ([fan_in] if on_gemv else []), (fan_in, adapted, widths)
+        widths.clear()
+    assert sl.split_k(2816, 2112, False) == 6            # 26B-A4B's down: 6 slices of 3 K steps
 
 
 def test_a_model_with_one_projection_off_the_k_step_decodes_the_rest_through_the_gemv(monkeypatch):

@@ -46,7 +46,7 @@ _CHECK = textwrap.dedent("""
         tol = 1e-6 if dtype == torch.float32 else 1e-2
         assert err < tol, (case_index, err)
         # The op's torch path (what runs off CUDA) has the same contract.
-        cpu = sl._reference(x, *(ws + pad), silu, tile.split, (low_rank, *(b_s + pad)))
+        cpu = sl._reference(x, *(ws + pad), silu, tile, (low_rank, *(b_s + pad)))
         err = ((cpu.double().sum(0) - ref).norm() / ref.norm()).item()
         assert err < tol, ("reference", case_index, err)
         # The fused shrink: the launch's first programs compute s A x (16 or 3 K slices), its
@@ -152,7 +152,7 @@ _HOPPER_CHECK = textwrap.dedent("""
             if kernel.metadata.shared <= LIMIT or depth == 1:
                 return depth, kernel.metadata.shared
 
-    def gemv(m, n, k, silu, dtype, r_block=64, fused=False):
+    def gemv(m, n, k, silu, dtype, r_block=64, fused=False, lora=True):
         tile, t = sl.tiling(m, n, k, silu, dtype), TYPES[dtype]
         types = {p: "*" + t for p in ("x_ptr", "w0_ptr", "w1_ptr", "w2_ptr")}
         types.update(out_ptr="*" + (t if silu else "fp32"), la_ptr="*fp32", b0_ptr="*fp32",
@@ -162,10 +162,10 @@ _HOPPER_CHECK = textwrap.dedent("""
         slots = 2 if silu else 3
         parts = -(-(k // sl.BLOCK_K) // -(-(k // sl.BLOCK_K) // sl.SHRINK_SPLIT))
         consts = dict(BLOCK_M=sl.row_block(m), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                      SILU_MUL=silu, IEEE=dtype == torch.float32, PDL=True, LORA=True,
+                      SILU_MUL=silu, IEEE=dtype == torch.float32, PDL=True, LORA=lora,
                       R=r_block, LA_SPLIT=parts if fused else lk.split_of(k, m), GELU=silu,
                       SHRINK_PROGRAMS=slots * parts if fused else 0, SLOTS=slots,
-                      PREFETCH_B=fused)
+                      PREFETCH_B=fused, EXPAND_LAST=False, EVEN_K=k % sl.BLOCK_K == 0)
         return compiled_shared(sl._kernel(), types, consts, tile.warps, tile.stages)
 
     def shrink(m, dtype, r_block=64):
@@ -200,6 +200,9 @@ _HOPPER_CHECK = textwrap.dedent("""
         "qkv bf16 64 rows fused": gemv(64, 6144, 2560, False, bf16, fused=True),
         "down bf16 64 rows fused": gemv(64, 2560, 9728, False, bf16, fused=True),
         "gate/up fp32 64 rows fused": gemv(64, 3072, 1024, True, fp32, fused=True),
+        # Widths off the K step (masked K tails) run without adapters: 26B-A4B's dense down.
+        "down bf16 8 rows K 2112": gemv(8, 2816, 2112, False, bf16, lora=False),
+        "gate/up bf16 32 rows K 2880": gemv(32, 2880, 2880, True, bf16, lora=False),
         "shrink bf16 64 rows": shrink(64, bf16),
         "shrink fp32 32 rows": shrink(32, fp32),
         "expand bf16 64 rows": expand(64, bf16),

@@ -45,6 +45,10 @@ MAX_ROWS = 32
 LAUNCH_MAX_ROWS = 64
 # Every supported weight's input width is a multiple of this (the smallest K step used).
 BLOCK_K = 128
+# Input widths the kernel takes: multiples of 64 (row starts stay 128-byte aligned). Widths off
+# the 128-wide K step (26B-A4B's 2,112-wide down_proj, gpt-oss's 2,880-wide inputs) run slices
+# of whole K steps whose loads past K are masked.
+K_ALIGN = 64
 BLOCK_N = 64
 # Enough programs to keep the H200's 132 SMs streaming: split K until blocks x split >= this.
 # (o_proj, 40 blocks: split 8 reads 2.84 TB/s at M = 1, split 2 2.72; benchmarks/gemv_sweep.py.)
@@ -83,10 +87,10 @@ class Tiling:
 
 def weight_fits(weight: torch.Tensor) -> bool:
     """A matrix the kernel can stream, its device aside: contiguous rows of a float dtype, input
-    width a multiple of BLOCK_K."""
+    width a multiple of K_ALIGN."""
     return (weight.dim() == 2 and weight.is_contiguous()
             and weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and weight.shape[1] % BLOCK_K == 0)
+            and weight.shape[1] % K_ALIGN == 0)
 
 
 def weight_supported(weight: torch.Tensor) -> bool:
@@ -106,13 +110,26 @@ def supported(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -
 
 
 def split_k(n_total: int, k: int, silu_mul: bool) -> int:
-    """Split the K loop until there are enough programs (SiLU-mul needs whole sums: no split)."""
+    """Split the K loop until there are enough programs (SiLU-mul needs whole sums: no split).
+    A width off the K step splits while every slice keeps two K steps, into slices of whole
+    steps, none empty (so the count need not be a power of two)."""
     if silu_mul:
         return 1
     blocks, split = -(-n_total // BLOCK_N), 1
-    while blocks * split < MIN_PROGRAMS and split < MAX_SPLIT and k % (2 * split * BLOCK_K) == 0:
+    steps, ragged = -(-k // BLOCK_K), k % BLOCK_K != 0
+
+    def halves(split: int) -> bool:
+        return steps >= 4 * split if ragged else k % (2 * split * BLOCK_K) == 0
+
+    while blocks * split < MIN_PROGRAMS and split < MAX_SPLIT and halves(split):
         split *= 2
-    return split
+    return -(-steps // -(-steps // split)) if ragged else split
+
+
+def k_per_split(k: int, tile: Tiling) -> int:
+    """Input columns per K slice: whole K steps; past K (a ragged width) the loads are masked."""
+    steps = -(-k // tile.block_k)
+    return tile.block_k * -(-steps // tile.split)
 
 
 def tiling(m: int, n_total: int, k: int, silu_mul: bool, dtype: torch.dtype) -> Tiling:
@@ -203,7 +220,7 @@ def small_linear(x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor | None = No
     if not x.is_cuda:
         if lora_a is not None:
             lora = (_shrink_reference(x, *lora_a), b0, b1, b2)
-        return _reference(x, w0, w1, w2, silu_mul, tile.split, lora, act)
+        return _reference(x, w0, w1, w2, silu_mul, tile, lora, act)
     return launch(x, w0, w1, w2, silu_mul, tile, pdl=pdl and _pdl_ok(x.device.index or 0),
                   lora=lora, act=act, lora_a=lora_a)
 
@@ -225,8 +242,9 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
     import triton
 
     m, k = x.shape
-    if k % (tile.split * tile.block_k):
-        raise ValueError(f"tiling {tile} does not divide the input width {k}")
+    k_per = k_per_split(k, tile)
+    if k % K_ALIGN or (k_per * (tile.split - 1) >= k):
+        raise ValueError(f"tiling {tile} does not fit the input width {k}")
     out = torch.empty(tile.split, m, _out_width(w0, w1, w2, silu_mul), device=x.device,
                       dtype=_out_dtype(x, silu_mul))
     n0 = w0.shape[0]
@@ -245,7 +263,7 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
     b_ptrs = [next((b for b in bs if b is not None), out) if b is None else b for b in bs]
     a_args = (la,) * 3 + (0.0,) * 3 + (0, la) if shrink is None else shrink.args
     programs = 0 if shrink is None else shrink.programs
-    args = (x, w0, w0 if w1 is None else w1, w0 if w2 is None else w2, out, m, k, k // tile.split,
+    args = (x, w0, w0 if w1 is None else w1, w0 if w2 is None else w2, out, m, k, k_per,
             n0, n1, n2, blocks[0], blocks[1], x.stride(0), out.stride(0), out.stride(1),
             la, *b_ptrs, *ranks, la.stride(0), la.stride(1), *a_args)
     consts = dict(
@@ -254,7 +272,7 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
         LORA=low_rank is not None, R=r_block, LA_SPLIT=la.shape[0] if low_rank is not None else 1,
         GELU=act == "gelu_tanh", SHRINK_PROGRAMS=programs,
         SLOTS=1 if shrink is None else shrink.slots, PREFETCH_B=prefetch_b and low_rank is not None,
-        EXPAND_LAST=expand_last)
+        EXPAND_LAST=expand_last, EVEN_K=k_per * tile.split == k)
     launch_fitting(_kernel(), (programs + sum(blocks), tile.split), args, consts, tile.warps,
                    tile.stages, x.device, **extra)
     return out
@@ -341,10 +359,11 @@ def _(x, w0, w1=None, w2=None, silu_mul=False, pdl=True, low_rank=None, b0=None,
                        dtype=_out_dtype(x, silu_mul))
 
 
-def _reference(x, w0, w1, w2, silu_mul: bool, split: int, lora: tuple | None = None,
+def _reference(x, w0, w1, w2, silu_mul: bool, tile: Tiling, lora: tuple | None = None,
                act: str = "silu") -> torch.Tensor:
-    """The kernel's contract in plain torch (fp32 sums): the K axis cut into `split` partials,
-    the adapters' B (s A x) added to the first."""
+    """The kernel's contract in plain torch (fp32 sums): the K axis cut into `tile.split`
+    partials of `k_per_split` columns (the last may be shorter), the adapters' B (s A x) added
+    to the first."""
     x32 = x.float()
     deltas = _low_rank_reference(lora, x.shape[0])
     if silu_mul:
@@ -352,9 +371,9 @@ def _reference(x, w0, w1, w2, silu_mul: bool, split: int, lora: tuple | None = N
         return (GATED_ACTS[act](gate) * up)[None].to(x.dtype)
     weights = [w for w in (w0, w1, w2) if w is not None]
     weight = torch.cat([w.float() for w in weights])
-    k_per = x.shape[1] // split
+    k_per = k_per_split(x.shape[1], tile)
     parts = torch.stack([x32[:, i * k_per:(i + 1) * k_per] @ weight[:, i * k_per:(i + 1) * k_per].T
-                         for i in range(split)])
+                         for i in range(tile.split)])
     parts[0] += torch.cat([d.expand(x.shape[0], w.shape[0]) for d, w in zip(deltas, weights)], dim=1)
     return parts
 

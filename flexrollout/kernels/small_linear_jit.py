@@ -92,9 +92,10 @@ def _gemv_block(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, M, K, K_PER, N0, N1, N2,
                 SILU_MUL: tl.constexpr, precision: tl.constexpr,
                 LORA: tl.constexpr, R: tl.constexpr, LA_SPLIT: tl.constexpr,
                 GELU: tl.constexpr, SHRINK_PROGRAMS: tl.constexpr, PREFETCH_B: tl.constexpr,
-                EXPAND_LAST: tl.constexpr):
+                EXPAND_LAST: tl.constexpr, EVEN_K: tl.constexpr):
     """One output block of one K slice: W x over the slice, plus B (s A x) in one slice: the
-    first, or with EXPAND_LAST the last (launched last, when the shrink has long finished)."""
+    first, or with EXPAND_LAST the last (launched last, when the shrink has long finished).
+    Without EVEN_K the slices overrun K (an input width off the K step): loads past K are masked."""
     pid_n = tl.program_id(0) - SHRINK_PROGRAMS
     pid_k = tl.program_id(1)
     expand_slice = tl.num_programs(1) - 1 if EXPAND_LAST else 0
@@ -127,10 +128,13 @@ def _gemv_block(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, M, K, K_PER, N0, N1, N2,
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, K_PER, BLOCK_K):
         offs_k = pid_k * K_PER + k + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=offs_m[:, None] < M, other=0.0)
-        w_offs = rows[:, None] * K + offs_k[None, :]
+        x_mask = offs_m[:, None] < M
         w_mask = rows[:, None] < n_rows
+        if not EVEN_K:
+            x_mask &= offs_k[None, :] < K
+            w_mask &= offs_k[None, :] < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
+        w_offs = rows[:, None] * K + offs_k[None, :]
         w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
         acc += tl.dot(w, tl.trans(x), input_precision=precision)
         if SILU_MUL:
@@ -197,7 +201,7 @@ def small_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, M, K, K_PER, N0,
                         LORA: tl.constexpr, R: tl.constexpr, LA_SPLIT: tl.constexpr,
                         GELU: tl.constexpr, SHRINK_PROGRAMS: tl.constexpr,
                         SLOTS: tl.constexpr, PREFETCH_B: tl.constexpr,
-                        EXPAND_LAST: tl.constexpr = False):
+                        EXPAND_LAST: tl.constexpr = False, EVEN_K: tl.constexpr = True):
     precision: tl.constexpr = "ieee" if IEEE else "tf32"
     if PDL:
         # Launched early (PDL): x is the previous kernel's output; wait until it is written.
@@ -213,4 +217,4 @@ def small_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, M, K, K_PER, N0,
                     BLOCKS1, stride_xm, stride_split, stride_om, la_ptr, b0_ptr, b1_ptr,
                     b2_ptr, R0, R1, R2, stride_la_split, stride_la_m, sync_ptr,
                     BLOCK_M, BLOCK_N, BLOCK_K, SILU_MUL, precision, LORA, R, LA_SPLIT,
-                    GELU, SHRINK_PROGRAMS, PREFETCH_B, EXPAND_LAST)
+                    GELU, SHRINK_PROGRAMS, PREFETCH_B, EXPAND_LAST, EVEN_K)

@@ -187,11 +187,14 @@ def _on_gemv(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bo
         return False
     adapted = any(_adapter_of(p) is not None for p in projections)
     rows_fit = kernels.small or (adapted and kernels.lora_small and x.shape[0] <= gemv.LAUNCH_MAX_ROWS)
-    # Decided per projection: one weight off the kernel's K step (gpt-oss's 2,880-wide inputs,
-    # 26B-A4B's 2,112-wide dense down_proj) runs cuBLAS without keeping the others off the GEMV.
-    # (CPU tensors take the op's reference implementation: tests and kernel_count.py.)
+    # Decided per projection: a weight the kernel cannot stream runs cuBLAS without keeping the
+    # others off the GEMV. Widths off the 128-wide K step (gpt-oss's 2,880-wide inputs, 26B-A4B's
+    # 2,112-wide dense down_proj) stream with masked K tails, but without adapters: the LoRA
+    # kernels' K slices are whole 128-wide steps. (CPU tensors take the op's reference
+    # implementation: tests and kernel_count.py.)
     weights = [p.weight for p in projections]
-    return (rows_fit and all(gemv.weight_fits(w) for w in weights)
+    whole_steps = all(p.weight.shape[1] % gemv.BLOCK_K == 0 for p in projections)
+    return (rows_fit and all(gemv.weight_fits(w) for w in weights) and (whole_steps or not adapted)
             and (not x.is_cuda or all(w.is_cuda for w in weights)))
 
 
