@@ -109,6 +109,9 @@
 #   ragged : the GEMV over input widths off its 128-wide K step (masked K tails: 26B-A4B's 2,112-wide
 #            dense down, gpt-oss's 2,880-wide q/k/v and router): its CUDA tests, cuBLAS against the
 #            engine's tiling at 1 / 8 rows, then 26B-A4B decode at 1 / 8 (about 4 minutes)
+#   qwen36 : (carry .whl with fla; an H200: ~70 GB of weights) Qwen3.6-35B-A3B, never benchmarked: its
+#            real-width fp32 GPU test, then decode at 1 / 8 / 64 against its MoE roofline and HF
+#            (#20's target: 50% at batch 8) (about 8 minutes)
 #   routing_tests : the GPU tests of routing per projection (live LoRA on gpt-oss and 26B-A4B against
 #                   PEFT, their fp32 parity with HF), the revised bf16 fla_decode test, then where
 #                   Qwen3.5-4B's batch-64 step goes (profile_decode.py; carry .whl) (about 9 minutes)
@@ -536,6 +539,11 @@ ragged)
   bench 110 --preset gemma-4-26b-a4b --batch-sizes 1,8 --workload decode \
     --gpu-memory-utilization 0.2 | tail -3 > "$out/gemma-4-26b-a4b.txt"
   names="gpu tests ragged gemma-4-26b-a4b" ;;
+qwen36)
+  gputest 200 tests/test_qwen35.py -k "real_widths and moe" | tail -4 > "$out/tests.txt"
+  bench 330 --preset qwen3.6-35b-a3b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
+    --gpu-memory-utilization 0.65 --json "$out/qwen3.6-35b-a3b.json" | tail -6 > "$out/qwen3.6-35b-a3b.txt"
+  names="gpu tests qwen3.6-35b-a3b" ;;
 routing_tests)
   gputest 280 tests/test_gpu.py tests/test_gemma4.py tests/test_qwen35.py -k \
     "off_the_gemv_k_step or (fp32 and 26b) or gpt-oss-20b-grouped-gemv or bf16_fla_decode" \

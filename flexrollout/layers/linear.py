@@ -211,7 +211,7 @@ def _on_gemv_4bit(x: torch.Tensor, projections: list[Linear], kernels: Kernels) 
 
 def _on_expand(projections: list[Linear], kernels: Kernels) -> bool:
     """These projections run W x (cuBLAS, or the 4-bit projection) + the expand kernel: a batch
-    past the GEMV (or weights it cannot stream, such as gpt-oss's 2,880-wide inputs) whose
+    past the GEMV (or adapted weights off its K step, such as gpt-oss's 2,880-wide inputs) whose
     adapters the kernels take, or 4-bit bases with adapters (QLoRA) at any batch the LoRA
     kernels run, where the unfused path cast and applied each adapter alone."""
     if not any(_adapter_of(p) is not None for p in projections):
