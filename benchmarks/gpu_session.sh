@@ -107,8 +107,9 @@
 #   h200_gemma : Gemma-4-E2B and 31B decode at 1 / 8 / 64 against their rooflines and HF (E2B's batch 64
 #                and 31B have no H200 figure yet; 31B at 64 rows fits an H200's memory) (about 8 minutes)
 #   ragged : the GEMV over input widths off its 128-wide K step (masked K tails: 26B-A4B's 2,112-wide
-#            dense down, gpt-oss's 2,880-wide q/k/v and router): its CUDA tests, cuBLAS against the
-#            engine's tiling at 1 / 8 rows, then 26B-A4B decode at 1 / 8 (about 4 minutes)
+#            dense down, gpt-oss's 2,880-wide q/k/v and router): its CUDA tests, the live-LoRA tests
+#            on those models against PEFT (adapters folded in there now), cuBLAS against the
+#            engine's tiling at 1 / 8 rows, then 26B-A4B decode at 1 / 8 (about 9 minutes)
 #   qwen36 : (carry .whl with fla; an H200: ~70 GB of weights) Qwen3.6-35B-A3B, never benchmarked: its
 #            real-width fp32 GPU test, then decode at 1 / 8 / 64 against its MoE roofline and HF
 #            (#20's target: 50% at batch 8) (about 8 minutes)
@@ -533,7 +534,8 @@ h200_gemma)
   done
   names="gpu gemma-4-e2b gemma-4-31b" ;;
 ragged)
-  gputest 100 tests/test_kernels.py -k on_cuda | tail -4 > "$out/tests.txt"
+  gputest 330 tests/test_kernels.py tests/test_gpu.py -k "on_cuda or off_the_gemv_k_step" \
+    | tail -6 > "$out/tests.txt"
   timeout 80 python3 benchmarks/gemv_sweep.py "$out/ragged.json" --shapes ragged --rows 1,8 --engine-only 2>&1 \
     | tee -a "$out/full.log" | grep -v -e skip -e Warn > "$out/ragged.txt"
   bench 110 --preset gemma-4-26b-a4b --batch-sizes 1,8 --workload decode \

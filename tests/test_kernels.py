@@ -299,12 +299,11 @@ def test_weights_off_the_k_step_run_cublas_without_keeping_the_group_off(monkeyp
         shapes.clear()
 
 
-def test_widths_off_the_k_step_take_the_gemv_unless_adapted(monkeypatch):
+def test_widths_off_the_k_step_take_the_gemv(monkeypatch):
     """A width that is a multiple of 64 but not of the 128-wide K step (26B-A4B's 2,112-wide
     down_proj, gpt-oss's 2,880-wide inputs; 320 here) streams through the GEMV with masked K
-    tails; with a live adapter it runs cuBLAS + expand instead (the LoRA kernels' K slices
-    are whole steps), while a 256-wide adapted projection keeps the GEMV. All compute PEFT's
-    W x + s B A x."""
+    tails, with or without a live adapter folded in; a width off 64 (200) runs F.linear. All
+    compute PEFT's W x + s B A x."""
     from flexrollout.layers.linear import Kernels, Linear, linear
 
     monkeypatch.setattr(sl, "supported", sl.fits)       # `linear`'s path on CPU tensors too
@@ -313,7 +312,7 @@ def test_widths_off_the_k_step_take_the_gemv_unless_adapted(monkeypatch):
     monkeypatch.setattr(sl, "small_linear", lambda x, *w, **kw: widths.append(x.shape[1]) or op(x, *w, **kw))
     torch.manual_seed(0)
     kernels = Kernels(small=True, lora_small=True)
-    for fan_in, adapted, on_gemv in ((320, False, True), (320, True, False), (256, True, True)):
+    for fan_in, adapted, on_gemv in ((320, False, True), (320, True, True), (200, True, False)):
         x, weight = torch.randn(3, fan_in), torch.randn(40, fan_in)
         lora_a, lora_b = torch.randn(4, fan_in), torch.randn(40, 4)
         p = Linear(weight, lora=((lora_a, lora_b, 0.5),) if adapted else ())

@@ -70,6 +70,11 @@ CASES = {
                     (32, 256, [64, 64], [0, 64], False, 1)],
     "float32-silu": [(3, 256, [72, 72], [8, 16], True, 1),
                      (32, 256, [64, 64], [64, 64], True, 1)],
+    # Input widths off the 128-wide K step (gpt-oss's 2,880, 26B-A4B's 2,112): masked K tails
+    # in the GEMV and in both shrinks, unsplit, split in two, gated.
+    "float32-ragged": [(3, 320, [64, 40, 40], [8, 8, 0], False, "auto"),
+                       (2, 704, [96], [16], False, 2),
+                       (3, 320, [72, 72], [8, 16], True, 1)],
     # 16-bit (fp16: Triton 3.6's interpreter mis-reads bf16; bf16 runs in the GPU tests),
     # up to the 64 rows 16-bit live-LoRA batches take; the engine's own tilings (down's long-K
     # one: 256-wide K steps, split 2).
@@ -79,7 +84,8 @@ CASES = {
                 (24, 256, [80, 48, 48], [16, 16, 0], False, 2),
                 (64, 256, [96, 32, 32], [8, 8, 8], False, "auto"),
                 (16, 256, [64, 64], [16, 16], True, "auto"),
-                (64, 256, [72, 72], [64, 64], True, "auto")],
+                (64, 256, [72, 72], [64, 64], True, "auto"),
+                (8, 704, [136], [16], False, "auto")],
 }
 
 
@@ -160,7 +166,8 @@ _HOPPER_CHECK = textwrap.dedent("""
                      a2_ptr="*fp32", s0="fp32", s1="fp32", s2="fp32", sync_ptr="*i32")
         # The fused shrink: 3 slots x its K slices ahead of the GEMV's programs, B prefetched.
         slots = 2 if silu else 3
-        parts = -(-(k // sl.BLOCK_K) // -(-(k // sl.BLOCK_K) // sl.SHRINK_SPLIT))
+        steps = -(-k // sl.BLOCK_K)
+        parts = -(-steps // -(-steps // sl.SHRINK_SPLIT))
         consts = dict(BLOCK_M=sl.row_block(m), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                       SILU_MUL=silu, IEEE=dtype == torch.float32, PDL=True, LORA=lora,
                       R=r_block, LA_SPLIT=parts if fused else lk.split_of(k, m), GELU=silu,
@@ -200,8 +207,10 @@ _HOPPER_CHECK = textwrap.dedent("""
         "qkv bf16 64 rows fused": gemv(64, 6144, 2560, False, bf16, fused=True),
         "down bf16 64 rows fused": gemv(64, 2560, 9728, False, bf16, fused=True),
         "gate/up fp32 64 rows fused": gemv(64, 3072, 1024, True, fp32, fused=True),
-        # Widths off the K step (masked K tails) run without adapters: 26B-A4B's dense down.
+        # Widths off the K step (masked K tails): 26B-A4B's dense down, gpt-oss-sized gate/up.
         "down bf16 8 rows K 2112": gemv(8, 2816, 2112, False, bf16, lora=False),
+        "down bf16 8 rows K 2112 fused": gemv(8, 2816, 2112, False, bf16, fused=True),
+        "qkv bf16 32 rows K 2880 fused": gemv(32, 5120, 2880, False, bf16, fused=True),
         "gate/up bf16 32 rows K 2880": gemv(32, 2880, 2880, True, bf16, lora=False),
         "shrink bf16 64 rows": shrink(64, bf16),
         "shrink fp32 32 rows": shrink(32, fp32),

@@ -309,7 +309,7 @@ class _FusedShrink:
         *adapters, scales = lora_a
         m, k = x.shape
         self.slots = max(i + 1 for i, a in enumerate(adapters) if a is not None)
-        chunks = k // BLOCK_K
+        chunks = -(-k // BLOCK_K)           # past K (a ragged width) the shrink's loads are masked
         k_shrink = BLOCK_K * -(-chunks // max_parts)
         parts = -(-k // k_shrink)
         self.programs = self.slots * parts

@@ -189,12 +189,10 @@ def _on_gemv(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bo
     rows_fit = kernels.small or (adapted and kernels.lora_small and x.shape[0] <= gemv.LAUNCH_MAX_ROWS)
     # Decided per projection: a weight the kernel cannot stream runs cuBLAS without keeping the
     # others off the GEMV. Widths off the 128-wide K step (gpt-oss's 2,880-wide inputs, 26B-A4B's
-    # 2,112-wide dense down_proj) stream with masked K tails, but without adapters: the LoRA
-    # kernels' K slices are whole 128-wide steps. (CPU tensors take the op's reference
-    # implementation: tests and kernel_count.py.)
+    # 2,112-wide dense down_proj) stream with masked K tails, adapters folded in as elsewhere.
+    # (CPU tensors take the op's reference implementation: tests and kernel_count.py.)
     weights = [p.weight for p in projections]
-    whole_steps = all(p.weight.shape[1] % gemv.BLOCK_K == 0 for p in projections)
-    return (rows_fit and all(gemv.weight_fits(w) for w in weights) and (whole_steps or not adapted)
+    return (rows_fit and all(gemv.weight_fits(w) for w in weights)
             and (not x.is_cuda or all(w.is_cuda for w in weights)))
 
 
@@ -211,7 +209,7 @@ def _on_gemv_4bit(x: torch.Tensor, projections: list[Linear], kernels: Kernels) 
 
 def _on_expand(projections: list[Linear], kernels: Kernels) -> bool:
     """These projections run W x (cuBLAS, or the 4-bit projection) + the expand kernel: a batch
-    past the GEMV (or adapted weights off its K step, such as gpt-oss's 2,880-wide inputs) whose
+    past the GEMV (or weights it cannot stream: input widths not a multiple of 64) whose
     adapters the kernels take, or 4-bit bases with adapters (QLoRA) at any batch the LoRA
     kernels run, where the unfused path cast and applied each adapter alone."""
     if not any(_adapter_of(p) is not None for p in projections):
