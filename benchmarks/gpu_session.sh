@@ -106,10 +106,11 @@
 #                 at 1 / 8 (about 9 minutes)
 #   h200_gemma : Gemma-4-E2B and 31B decode at 1 / 8 / 64 against their rooflines and HF (E2B's batch 64
 #                and 31B have no H200 figure yet; 31B at 64 rows fits an H200's memory) (about 8 minutes)
-#   ragged : the GEMV over input widths off its 128-wide K step (masked K tails: 26B-A4B's 2,112-wide
-#            dense down, gpt-oss's 2,880-wide q/k/v and router): its CUDA tests, the live-LoRA tests
-#            on those models against PEFT (adapters folded in there now), cuBLAS against the
-#            engine's tiling at 1 / 8 rows, then 26B-A4B decode at 1 / 8 (about 9 minutes)
+#   ragged : `ragged_gemv` (off until this passes), the GEMV over input widths off its 128-wide K step
+#            (masked K tails: 26B-A4B's 2,112-wide dense down, gpt-oss's 2,880-wide q/k/v and
+#            router): its CUDA tests, the live-LoRA tests on those models against PEFT (adapters
+#            folded in), cuBLAS against the engine's tiling at 1 / 8 rows, then 26B-A4B decode at
+#            1 / 8 without and with it (about 10 minutes)
 #   qwen36 : (carry .whl with fla; an H200: ~70 GB of weights) Qwen3.6-35B-A3B, never benchmarked: its
 #            real-width fp32 GPU test, then decode at 1 / 8 / 64 against its MoE roofline and HF
 #            (#20's target: 50% at batch 8) (about 8 minutes)
@@ -538,8 +539,9 @@ ragged)
     | tail -6 > "$out/tests.txt"
   timeout 80 python3 benchmarks/gemv_sweep.py "$out/ragged.json" --shapes ragged --rows 1,8 --engine-only 2>&1 \
     | tee -a "$out/full.log" | grep -v -e skip -e Warn > "$out/ragged.txt"
-  bench 110 --preset gemma-4-26b-a4b --batch-sizes 1,8 --workload decode \
-    --gpu-memory-utilization 0.2 | tail -3 > "$out/gemma-4-26b-a4b.txt"
+  for a in '{}' '{"ragged_gemv": true}'; do echo "== $a"
+    bench 110 --preset gemma-4-26b-a4b --batch-sizes 1,8 --workload decode \
+      --gpu-memory-utilization 0.2 --engine-args "$a" | tail -3; done > "$out/gemma-4-26b-a4b.txt"
   names="gpu tests ragged gemma-4-26b-a4b" ;;
 qwen36)
   gputest 200 tests/test_qwen35.py -k "real_widths and moe" | tail -4 > "$out/tests.txt"

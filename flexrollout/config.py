@@ -79,6 +79,12 @@ class EngineConfig:
     # step gathers, updates and scatters a copy: Qwen3.5-4B decode 1.03x / 1.27x at batch 8 / 64
     # (H100, 2026-12-07). Without fla (or on CPU) the torch step runs.
     fla_decode: bool = True
+    # Small decode batches stream input widths off the GEMV's 128-wide K step (multiples of 64:
+    # 26B-A4B's 2,112-wide dense down_proj, gpt-oss's 2,880-wide q/k/v, router and LM head)
+    # through the GEMV with masked K tails, live adapters folded in, where they run cuBLAS.
+    # Tested in Triton's interpreter and compiled for Hopper; off until its GPU tests pass
+    # (`benchmarks/gpu_session.sh OUT ragged`).
+    ragged_gemv: bool = False
     # LoRARequest adapters one decode step can mix while replaying from the CUDA graph (slots of
     # the adapter table, `lora/table.py`; vLLM's name). A step mixing more runs eagerly. The
     # table is allocated as adapters are used: r x (in + out) per adapted projection and slot.

@@ -302,8 +302,9 @@ def test_weights_off_the_k_step_run_cublas_without_keeping_the_group_off(monkeyp
 def test_widths_off_the_k_step_take_the_gemv(monkeypatch):
     """A width that is a multiple of 64 but not of the 128-wide K step (26B-A4B's 2,112-wide
     down_proj, gpt-oss's 2,880-wide inputs; 320 here) streams through the GEMV with masked K
-    tails, with or without a live adapter folded in; a width off 64 (200) runs F.linear. All
-    compute PEFT's W x + s B A x."""
+    tails where the step lets it (`Kernels.ragged`), with or without a live adapter folded in;
+    without it, or at a width off 64 (200), it runs F.linear (+ expand). All compute PEFT's
+    W x + s B A x."""
     from flexrollout.layers.linear import Kernels, Linear, linear
 
     monkeypatch.setattr(sl, "supported", sl.fits)       # `linear`'s path on CPU tensors too
@@ -311,8 +312,11 @@ def test_widths_off_the_k_step_take_the_gemv(monkeypatch):
     op = sl.small_linear
     monkeypatch.setattr(sl, "small_linear", lambda x, *w, **kw: widths.append(x.shape[1]) or op(x, *w, **kw))
     torch.manual_seed(0)
-    kernels = Kernels(small=True, lora_small=True)
-    for fan_in, adapted, on_gemv in ((320, False, True), (320, True, True), (200, True, False)):
+    ragged = Kernels(small=True, lora_small=True, ragged=True)
+    cases = [(320, False, ragged, True), (320, True, ragged, True), (200, True, ragged, False),
+             (320, False, Kernels(small=True, lora_small=True), False),
+             (320, True, Kernels(small=True, lora_small=True), False)]
+    for fan_in, adapted, kernels, on_gemv in cases:
         x, weight = torch.randn(3, fan_in), torch.randn(40, fan_in)
         lora_a, lora_b = torch.randn(4, fan_in), torch.randn(40, 4)
         p = Linear(weight, lora=((lora_a, lora_b, 0.5),) if adapted else ())
@@ -321,6 +325,31 @@ def test_widths_off_the_k_step_take_the_gemv(monkeypatch):
         assert widths == ([fan_in] if on_gemv else []), (fan_in, adapted, widths)
         widths.clear()
     assert sl.split_k(2816, 2112, False) == 6            # 26B-A4B's down: 6 slices of 3 K steps
+
+
+@pytest.mark.parametrize("ragged_gemv", [False, True])
+def test_engine_streams_widths_off_the_k_step_with_ragged_gemv(monkeypatch, ragged_gemv):
+    """`EngineConfig.ragged_gemv` reaches the decode steps: a Llama whose MLP width (320) is off
+    the 128-wide K step decodes greedily as HF does, and its down_proj runs the GEMV (its CPU
+    reference, let in as CUDA would be) with the option and F.linear without it."""
+    from transformers import LlamaConfig
+
+    from conftest import _from_config, _hf_greedy, make_tiny_tokenizer, small_kernels_on_cpu
+    from flexrollout import LLM, SamplingParams
+
+    seen = small_kernels_on_cpu(monkeypatch)
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, eos_token_id=511,
+                         bos_token_id=1, pad_token_id=0, max_position_embeddings=256)
+    model, _ = _from_config(config, seed=4)
+    prompts = [[5, 17, 300, 42, 9], [7, 8]]
+    refs = [_hf_greedy(model, p, 6).tokens for p in prompts]
+    llm = LLM(model, tokenizer=make_tiny_tokenizer(), max_model_len=128, max_num_seqs=2, num_kv_pages=16,
+              ragged_gemv=ragged_gemv)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == refs
+    widths = {w.shape[1] for w in seen["gemv"]}
+    assert 128 in widths and (320 in widths) == ragged_gemv, widths
 
 
 def test_a_model_with_one_projection_off_the_k_step_decodes_the_rest_through_the_gemv(monkeypatch):

@@ -109,6 +109,7 @@ class LLMEngine:
             mlp_chunk=config.mlp_chunk_tokens, gemv_pdl=config.gemv_pdl,
             qkv_epilogue=config.qkv_epilogue, lora_rows=config.lora_request_kernels,
             gemma_qkv_epilogue=config.gemma_qkv_epilogue, fla_decode=config.fla_decode,
+            ragged_gemv=config.ragged_gemv,
             quant_rows=GEMV_4BIT_MAX_ROWS if config.quant_kernels and device.type == "cuda" else 0,
             compile_4bit=config.compile_4bit, static_weight_shapes=config.static_weight_shapes,
             lora_kernels=device.type == "cuda", fused_shrink=config.lora_fused_shrink,

@@ -60,6 +60,9 @@ class Kernels:
     # The GEMV's live-LoRA launches compute s A x themselves (their first programs) instead of
     # after a separate shrink launch; row-masked terms keep the shrink.
     fused_shrink: bool = True
+    # Input widths off the GEMV's 128-wide K step stream through it too, with masked K tails
+    # (`EngineConfig.ragged_gemv`); without it they run cuBLAS.
+    ragged: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,14 +111,15 @@ def linear(x: torch.Tensor, p: Linear, kernels: Kernels = Kernels()) -> torch.Te
                                        or _on_expand([p], kernels)):
         # The GEMV (16- or 4-bit) with the adapter folded in, or cuBLAS + expand: a group of one.
         return finish_group(project_group(x, [p], kernels), [p], x.dtype)[0]
+    small_rows = gemv.MAX_ROWS if kernels.small and _k_step_fits(p.weight, kernels) else 0
     if p.quant is not None:
         out = project_4bit(x, p.weight, p.quant, p.bias, kernels.quant_small)
     else:
-        out = gemv.project(x, p.weight, p.bias, gemv.MAX_ROWS if kernels.small else 0, kernels.pdl)
+        out = gemv.project(x, p.weight, p.bias, small_rows, kernels.pdl)
     if p.unmerged is not None and p.live_mask is not None:
         # Rows with a LoRARequest multiply the base weight: exact, where subtracting the merged
         # delta would leave the merged copy's rounding behind.
-        unmerged = gemv.project(x, p.unmerged, p.bias, gemv.MAX_ROWS if kernels.small else 0, kernels.pdl)
+        unmerged = gemv.project(x, p.unmerged, p.bias, small_rows, kernels.pdl)
         out = torch.where(p.live_mask, out, unmerged)
     for lora_a, lora_b, scaling in p.lora:
         out = _add_low_rank(out, x, lora_a, lora_b, scaling, p.live_mask)
@@ -141,6 +145,12 @@ def _add_low_rank(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
         # In place into `out` (ours, just computed): no (tokens, out) delta temporaries.
         return out.addmm_(low_rank, lora_b.T, alpha=scaling)
     return out + F.linear(low_rank, lora_b) * scaling
+
+
+def _k_step_fits(weight: torch.Tensor, kernels: Kernels) -> bool:
+    """The GEMV may stream this weight in this step: its input width is on the 128-wide K step,
+    or off it with `kernels.ragged` (masked K tails)."""
+    return kernels.ragged or weight.shape[-1] % gemv.BLOCK_K == 0
 
 
 def gemv_ready(p: Linear) -> bool:
@@ -189,10 +199,11 @@ def _on_gemv(x: torch.Tensor, projections: list[Linear], kernels: Kernels) -> bo
     rows_fit = kernels.small or (adapted and kernels.lora_small and x.shape[0] <= gemv.LAUNCH_MAX_ROWS)
     # Decided per projection: a weight the kernel cannot stream runs cuBLAS without keeping the
     # others off the GEMV. Widths off the 128-wide K step (gpt-oss's 2,880-wide inputs, 26B-A4B's
-    # 2,112-wide dense down_proj) stream with masked K tails, adapters folded in as elsewhere.
-    # (CPU tensors take the op's reference implementation: tests and kernel_count.py.)
+    # 2,112-wide dense down_proj) stream with masked K tails where `kernels.ragged` lets them,
+    # adapters folded in as elsewhere. (CPU tensors take the op's reference implementation:
+    # tests and kernel_count.py.)
     weights = [p.weight for p in projections]
-    return (rows_fit and all(gemv.weight_fits(w) for w in weights)
+    return (rows_fit and all(gemv.weight_fits(w) and _k_step_fits(w, kernels) for w in weights)
             and (not x.is_cuda or all(w.is_cuda for w in weights)))
 
 
@@ -209,7 +220,8 @@ def _on_gemv_4bit(x: torch.Tensor, projections: list[Linear], kernels: Kernels) 
 
 def _on_expand(projections: list[Linear], kernels: Kernels) -> bool:
     """These projections run W x (cuBLAS, or the 4-bit projection) + the expand kernel: a batch
-    past the GEMV (or weights it cannot stream: input widths not a multiple of 64) whose
+    past the GEMV (or weights it does not stream this step: widths off its K step without
+    `kernels.ragged`, such as gpt-oss's 2,880-wide inputs) whose
     adapters the kernels take, or 4-bit bases with adapters (QLoRA) at any batch the LoRA
     kernels run, where the unfused path cast and applied each adapter alone."""
     if not any(_adapter_of(p) is not None for p in projections):

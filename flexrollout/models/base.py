@@ -56,6 +56,7 @@ class ForwardOptions:
     qkv_epilogue: bool = True
     gemma_qkv_epilogue: bool = True     # Gemma-4's decode takes the q/k/v epilogue kernel too
     fla_decode: bool = True         # GatedDeltaNet decode through fla's in-place recurrent kernel
+    ragged_gemv: bool = False       # input widths off the GEMV's K step take it too (masked tails)
     expert_rows: int = 0            # MoE steps up to this many (token, expert) rows: grouped GEMV
     lora_rows: bool = False         # LoRARequest rows' adapter terms take the LoRA kernels
     quant_rows: int = 0             # 4-bit projections up to this many rows: our Triton GEMV (0: never)
@@ -267,7 +268,8 @@ class DecoderForward:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         small = hidden.is_cuda and hidden.shape[0] <= self.options.small_rows
-        return linear(hidden, self._head, Kernels(small=small, pdl=self.options.gemv_pdl)).float()
+        kernels = Kernels(small=small, pdl=self.options.gemv_pdl, ragged=self.options.ragged_gemv)
+        return linear(hidden, self._head, kernels).float()
 
     # -- the loop's machinery ----------------------------------------------------------------
     def mix(self, index: int, spec: LayerSpec, mixer_in, step: Step) -> torch.Tensor:
@@ -307,7 +309,7 @@ class DecoderForward:
                           # (row-masked terms: the fold measured at up to 32 rows only)
                           lora_rows=lora_small and rows <= LORA_MAX_ROWS and self.options.lora_rows,
                           quant_small=input_ids.shape[0] <= self.options.quant_rows,
-                          fused_shrink=self.options.fused_shrink)
+                          fused_shrink=self.options.fused_shrink, ragged=self.options.ragged_gemv)
         return Step(meta, cache, rope, kernels, {})
 
     def _eager(self, meta: AttentionMetadata) -> bool:
