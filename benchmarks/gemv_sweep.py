@@ -75,10 +75,9 @@ def candidates(k: int, silu: bool):
     for block_n, block_k, split, stages in itertools.product((32, 64, 128), (128, 256),
                                                              (1, 2, 4, 8), (3, 5)):
         tile = sl.Tiling(block_n=block_n, block_k=block_k, split=split, warps=4, stages=stages)
-        # Widths on the K step: tilings that divide it; off it: slices of whole steps, none empty.
-        ragged = k % sl.BLOCK_K != 0
-        if (silu and split > 1) or (not ragged and k % (split * block_k)) or (
-                ragged and sl.k_per_split(k, tile) * (split - 1) >= k):
+        # Widths on the K step: tilings that divide it; off it: any `launch` runs (masked tails).
+        on_step = k % sl.BLOCK_K == 0
+        if (silu and split > 1) or not sl.tile_fits(k, tile) or (on_step and k % (split * block_k)):
             continue
         yield tile
 

@@ -327,42 +327,21 @@ def test_widths_off_the_k_step_take_the_gemv(monkeypatch):
     assert sl.split_k(2816, 2112, False) == 6            # 26B-A4B's down: 6 slices of 3 K steps
 
 
-@pytest.mark.parametrize("ragged_gemv", [False, True])
-def test_engine_streams_widths_off_the_k_step_with_ragged_gemv(monkeypatch, ragged_gemv):
-    """`EngineConfig.ragged_gemv` reaches the decode steps: a Llama whose MLP width (320) is off
-    the 128-wide K step decodes greedily as HF does, and its down_proj runs the GEMV (its CPU
-    reference, let in as CUDA would be) with the option and F.linear without it."""
+@pytest.mark.parametrize("mlp_width, ragged_gemv", [(200, False), (200, True), (320, False), (320, True)])
+def test_a_model_with_one_projection_off_the_k_step_decodes_the_rest_through_the_gemv(
+        monkeypatch, mlp_width, ragged_gemv):
+    """A Llama whose MLP width is off the 128-wide K step: small batches still take the GEMV for
+    q/k/v, o and gate/up (its CPU reference, let in as CUDA would be), and greedy decode matches
+    HF's. down_proj runs F.linear, except that a width that is a multiple of 64 (320) takes the
+    GEMV with `EngineConfig.ragged_gemv` (masked K tails); 200 never does. Before, one such
+    width turned the GEMV off model-wide."""
     from transformers import LlamaConfig
 
     from conftest import _from_config, _hf_greedy, make_tiny_tokenizer, small_kernels_on_cpu
     from flexrollout import LLM, SamplingParams
 
     seen = small_kernels_on_cpu(monkeypatch)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, eos_token_id=511,
-                         bos_token_id=1, pad_token_id=0, max_position_embeddings=256)
-    model, _ = _from_config(config, seed=4)
-    prompts = [[5, 17, 300, 42, 9], [7, 8]]
-    refs = [_hf_greedy(model, p, 6).tokens for p in prompts]
-    llm = LLM(model, tokenizer=make_tiny_tokenizer(), max_model_len=128, max_num_seqs=2, num_kv_pages=16,
-              ragged_gemv=ragged_gemv)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == refs
-    widths = {w.shape[1] for w in seen["gemv"]}
-    assert 128 in widths and (320 in widths) == ragged_gemv, widths
-
-
-def test_a_model_with_one_projection_off_the_k_step_decodes_the_rest_through_the_gemv(monkeypatch):
-    """A Llama whose MLP width (200) is off the K step: small batches still take the GEMV for
-    q/k/v, o and gate/up (its CPU reference, let in as CUDA would be), down_proj runs F.linear,
-    and greedy decode matches HF's. Before, one such width turned the GEMV off model-wide."""
-    from transformers import LlamaConfig
-
-    from conftest import _from_config, _hf_greedy, make_tiny_tokenizer, small_kernels_on_cpu
-    from flexrollout import LLM, SamplingParams
-
-    seen = small_kernels_on_cpu(monkeypatch)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=200, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=mlp_width, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, eos_token_id=511,
                          bos_token_id=1, pad_token_id=0, max_position_embeddings=256)
     model, gen = _from_config(config, seed=3)
@@ -372,10 +351,12 @@ def test_a_model_with_one_projection_off_the_k_step_decodes_the_rest_through_the
                 param.copy_(0.15 * torch.randn(param.shape, generator=gen))
     prompts = [[5, 17, 300, 42, 9], [7, 8]]
     refs = [_hf_greedy(model, p, 6).tokens for p in prompts]
-    llm = LLM(model, tokenizer=make_tiny_tokenizer(), max_model_len=128, max_num_seqs=2, num_kv_pages=16)
+    llm = LLM(model, tokenizer=make_tiny_tokenizer(), max_model_len=128, max_num_seqs=2, num_kv_pages=16,
+              ragged_gemv=ragged_gemv)
     assert llm.llm_engine.forward.options.small_rows > 0
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == refs
     widths = [w.shape[1] for w in seen["gemv"]]
-    assert widths and set(widths) == {128}, set(widths)      # no GEMV call read down_proj's 200 wide input
+    down_on_gemv = ragged_gemv and mlp_width % 64 == 0
+    assert widths and set(widths) == ({128, mlp_width} if down_on_gemv else {128}), set(widths)
     assert widths.count(128) >= 5 * 3 * 2                   # q/k/v, o, gate/up in each layer's decode steps

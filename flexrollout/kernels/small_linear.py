@@ -132,6 +132,12 @@ def k_per_split(k: int, tile: Tiling) -> int:
     return tile.block_k * -(-steps // tile.split)
 
 
+def tile_fits(k: int, tile: Tiling) -> bool:
+    """`launch` can run `tile` over input width k: a multiple of K_ALIGN, cut into `tile.split`
+    slices of whole K steps, none of them empty."""
+    return k % K_ALIGN == 0 and k_per_split(k, tile) * (tile.split - 1) < k
+
+
 def tiling(m: int, n_total: int, k: int, silu_mul: bool, dtype: torch.dtype) -> Tiling:
     """The launch shape for one projection, from the H200 sweep (benchmarks/gemv_sweep.py):
     deep pipelines (5 stages) only for unsplit single-matrix loops; split or wide (LM head)
@@ -242,9 +248,9 @@ def launch(x, w0, w1, w2, silu_mul: bool, tile: Tiling, pdl: bool = False,
     import triton
 
     m, k = x.shape
-    k_per = k_per_split(k, tile)
-    if k % K_ALIGN or (k_per * (tile.split - 1) >= k):
+    if not tile_fits(k, tile):
         raise ValueError(f"tiling {tile} does not fit the input width {k}")
+    k_per = k_per_split(k, tile)
     out = torch.empty(tile.split, m, _out_width(w0, w1, w2, silu_mul), device=x.device,
                       dtype=_out_dtype(x, silu_mul))
     n0 = w0.shape[0]
