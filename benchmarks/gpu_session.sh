@@ -106,14 +106,15 @@
 #                 at 1 / 8 (about 9 minutes)
 #   h200_gemma : Gemma-4-E2B and 31B decode at 1 / 8 / 64 against their rooflines and HF (E2B's batch 64
 #                and 31B have no H200 figure yet; 31B at 64 rows fits an H200's memory) (about 8 minutes)
-#   ragged : `ragged_gemv` (off until this passes), the GEMV over input widths off its 128-wide K step
+#   ragged : `ragged_gemv` (on since its 2026-12-07 pass), the GEMV over input widths off its 128-wide K step
 #            (masked K tails: 26B-A4B's 2,112-wide dense down, gpt-oss's 2,880-wide q/k/v and
 #            router): its CUDA tests, the live-LoRA tests on those models against PEFT (adapters
-#            folded in), cuBLAS against the engine's tiling at 1 / 8 rows, then 26B-A4B decode at
-#            1 / 8 without and with it (about 10 minutes)
+#            folded in), gpt-oss-20b and 26B-A4B decode at 1 / 8 without and with it, then
+#            cuBLAS against the engine's tiling at 1 / 8 rows (about 10 minutes)
 #   qwen36 : (carry .whl with fla; an H200: ~70 GB of weights) Qwen3.6-35B-A3B, never benchmarked: its
 #            real-width fp32 GPU test, then decode at 1 / 8 / 64 against its MoE roofline and HF
 #            (#20's target: 50% at batch 8) (about 8 minutes)
+#   qwen36_bench : qwen36's decode without its test (about 5 minutes)
 #   routing_tests : the GPU tests of routing per projection (live LoRA on gpt-oss and 26B-A4B against
 #                   PEFT, their fp32 parity with HF), the revised bf16 fla_decode test, then where
 #                   Qwen3.5-4B's batch-64 step goes (profile_decode.py; carry .whl) (about 9 minutes)
@@ -537,17 +538,22 @@ h200_gemma)
 ragged)
   gputest 330 tests/test_kernels.py tests/test_gpu.py -k "on_cuda or off_the_gemv_k_step" \
     | tail -6 > "$out/tests.txt"
-  timeout 80 python3 benchmarks/gemv_sweep.py "$out/ragged.json" --shapes ragged --rows 1,8 --engine-only 2>&1 \
+  for p in gpt-oss-20b gemma-4-26b-a4b; do for a in '{"ragged_gemv": false}' '{}'; do echo "== $p $a"
+    bench 110 --preset $p --batch-sizes 1,8 --workload decode \
+      --gpu-memory-utilization 0.2 --engine-args "$a" | grep -A3 "^workload"; done; done > "$out/ragged_ab.txt"
+  timeout 60 python3 benchmarks/gemv_sweep.py "$out/ragged.json" --shapes ragged --rows 1,8 --engine-only 2>&1 \
     | tee -a "$out/full.log" | grep -v -e skip -e Warn > "$out/ragged.txt"
-  for a in '{}' '{"ragged_gemv": true}'; do echo "== $a"
-    bench 110 --preset gemma-4-26b-a4b --batch-sizes 1,8 --workload decode \
-      --gpu-memory-utilization 0.2 --engine-args "$a" | tail -3; done > "$out/gemma-4-26b-a4b.txt"
-  names="gpu tests ragged gemma-4-26b-a4b" ;;
+  names="gpu tests ragged_ab ragged" ;;
 qwen36)
   gputest 200 tests/test_qwen35.py -k "real_widths and moe" | tail -4 > "$out/tests.txt"
   bench 330 --preset qwen3.6-35b-a3b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
     --gpu-memory-utilization 0.65 --json "$out/qwen3.6-35b-a3b.json" | tail -6 > "$out/qwen3.6-35b-a3b.txt"
   names="gpu tests qwen3.6-35b-a3b" ;;
+qwen36_bench)
+  # qwen36 without its test, for a warm machine's last minutes.
+  bench 290 --preset qwen3.6-35b-a3b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
+    --gpu-memory-utilization 0.65 --json "$out/qwen3.6-35b-a3b.json" | tail -6 > "$out/qwen3.6-35b-a3b.txt"
+  names="gpu qwen3.6-35b-a3b" ;;
 routing_tests)
   gputest 280 tests/test_gpu.py tests/test_gemma4.py tests/test_qwen35.py -k \
     "off_the_gemv_k_step or (fp32 and 26b) or gpt-oss-20b-grouped-gemv or bf16_fla_decode" \

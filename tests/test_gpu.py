@@ -230,9 +230,9 @@ def test_moe_graphs_match_eager(preset):
 @pytest.mark.parametrize("preset", ["gpt-oss-20b", "gemma-4-26b-a4b"])
 def test_live_lora_beside_weights_off_the_gemv_k_step_matches_peft(preset):
     """gpt-oss's 2,880-wide inputs and 26B-A4B's 2,112-wide dense down_proj are off the GEMV's
-    128-wide K step: with `ragged_gemv` (since 2026-12-07) they stream through it with masked K
-    tails, their adapters folded in as on the other projections (without it, cuBLAS + expand,
-    which passed on the H200 for gpt-oss on 2026-12-07). Real
+    128-wide K step: with `ragged_gemv` (on by default since both cases passed on an H100,
+    2026-12-07) they stream through it with masked K tails, their adapters folded in as on the
+    other projections (without it, cuBLAS + expand, which passed on the H200 for gpt-oss). Real
     widths at two layers, fp32, graphs, r=16 on every attention and dense MLP projection,
     against PEFT's own generate and forward. A random 26B-A4B repeats its prompt's last token
     with probability ~1 whatever the adapters do (H200, 2026-12-07: neither its tokens nor the

@@ -56,7 +56,7 @@ class ForwardOptions:
     qkv_epilogue: bool = True
     gemma_qkv_epilogue: bool = True     # Gemma-4's decode takes the q/k/v epilogue kernel too
     fla_decode: bool = True         # GatedDeltaNet decode through fla's in-place recurrent kernel
-    ragged_gemv: bool = False       # input widths off the GEMV's K step take it too (masked tails)
+    ragged_gemv: bool = True        # input widths off the GEMV's K step take it too (masked tails)
     expert_rows: int = 0            # MoE steps up to this many (token, expert) rows: grouped GEMV
     lora_rows: bool = False         # LoRARequest rows' adapter terms take the LoRA kernels
     quant_rows: int = 0             # 4-bit projections up to this many rows: our Triton GEMV (0: never)
