@@ -130,7 +130,10 @@ out=${1:-/tmp/flexrollout-gpu}
 part=${2:-core}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-filter() { grep -v -e DEBUG -e "UserWarning" -e "warn_once"; }
+# Inductor's four-line note on split softmax reductions (large vocabularies) ends many runs: dropped,
+# so a part's `tail` keeps the table.
+filter() { grep -v -e DEBUG -e "UserWarning" -e "warn_once" -e "warnings.warn" -e "Online softmax is" \
+  -e "split the reduction" -e "important use case" -e "^ *softmax\.$" -e "^ *$"; }
 # Every step's whole output also goes to $out/full.log: a filtered tail hides why a step failed.
 bench() { timeout "$1" python3 -m flexrollout.cli bench "${@:2}" 2>&1 | tee -a "$out/full.log" | filter; }
 # pytest-timeout's session limit stops the run 30 s before `timeout` would, so the failures' summary
