@@ -115,6 +115,8 @@
 #            real-width fp32 GPU test, then decode at 1 / 8 / 64 against its MoE roofline and HF
 #            (#20's target: 50% at batch 8) (about 8 minutes)
 #   qwen36_bench : qwen36's decode without its test (about 5 minutes)
+#   h200_targets : (carry .whl; an H200) Qwen3.6-35B-A3B, Gemma-4-E2B and 26B-A4B decode at 1 / 8 / 64
+#                  against their rooflines and HF: #19's and #20's H200 figures (about 10 minutes)
 #   routing_tests : the GPU tests of routing per projection (live LoRA on gpt-oss and 26B-A4B against
 #                   PEFT, their fp32 parity with HF), the revised bf16 fla_decode test, then where
 #                   Qwen3.5-4B's batch-64 step goes (profile_decode.py; carry .whl) (about 9 minutes)
@@ -538,6 +540,15 @@ h200_gemma)
       --gpu-memory-utilization $memory --json "$out/$preset.json" | tail -6 > "$out/$preset.txt"
   done
   names="gpu gemma-4-e2b gemma-4-31b" ;;
+h200_targets)
+  # #19's and #20's H200 decode figures in one call: Qwen3.6-35B-A3B (never measured), E2B at 64
+  # rows (no H200 figure) and 26B-A4B (28.5% at batch 1 on the H200 before the MoE-kernel fixes).
+  for run in qwen3.6-35b-a3b:280:0.65 gemma-4-e2b:150:0.5 gemma-4-26b-a4b:140:0.2; do
+    IFS=: read -r preset limit memory <<< "$run"
+    bench $limit --preset $preset --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
+      --gpu-memory-utilization $memory --json "$out/$preset.json" | tail -6 > "$out/$preset.txt"
+  done
+  names="gpu qwen3.6-35b-a3b gemma-4-e2b gemma-4-26b-a4b" ;;
 ragged)
   gputest 330 tests/test_kernels.py tests/test_gpu.py -k "on_cuda or off_the_gemv_k_step" \
     | tail -6 > "$out/tests.txt"
