@@ -83,7 +83,7 @@ class EngineConfig:
     # 26B-A4B's 2,112-wide dense down_proj, gpt-oss's 2,880-wide q/k/v, router and LM head)
     # through the GEMV with masked K tails, live adapters folded in, where they ran cuBLAS.
     # On since 2026-12-07 (its GPU tests pass on an H100): gpt-oss-20b decodes 1.08x / 1.03x at
-    # batch 1 / 8 (its q/k/v read 2.35 TB/s against cuBLAS's 1.25); 26B-A4B 1.01x / 1.00x.
+    # batch 1 / 8 (its q/k/v read 2.35 TB/s against cuBLAS's 1.25); 26B-A4B 1.00x / 1.00x.
     ragged_gemv: bool = True
     # LoRARequest adapters one decode step can mix while replaying from the CUDA graph (slots of
     # the adapter table, `lora/table.py`; vLLM's name). A step mixing more runs eagerly. The
