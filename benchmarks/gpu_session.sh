@@ -143,6 +143,9 @@ bench() { timeout "$1" python3 -m flexrollout.cli bench "${@:2}" 2>&1 | tee -a "
 # (-rfE, short tracebacks) still prints; a killed pytest prints nothing but its progress dots.
 gputest() { timeout "$1" python3 -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider \
   --session-timeout=$(( $1 - 30 )) "${@:2}" 2>&1 | tee -a "$out/full.log" | filter; }
+# decode_vs_hf PRESET LIMIT MEMORY: decode at 1 / 8 / 64 against the roofline and HF, into $out/PRESET.txt.
+decode_vs_hf() { bench "$2" --preset "$1" --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
+  --gpu-memory-utilization "$3" --json "$out/$1.json" | tail -6 > "$out/$1.txt"; }
 lora32() { bench 150 --preset qwen3-4b --workload grpo --lora-rank 32 --json "$out/grpo-lora32.json" \
   | tail -2 > "$out/lora32.txt"; }
 sweep=1,2,4,8,12,16,24,32,48,64
@@ -536,10 +539,8 @@ seventeenth)
     --gpu-memory-utilization 0.55 | tail -3 > "$out/qwen3-30b-a3b.txt"
   names="gpu tests gemma-4-26b-a4b qwen3-30b-a3b" ;;
 h200_gemma)
-  for run in gemma-4-e2b:150:0.5 gemma-4-31b:300:0.2; do IFS=: read -r preset limit memory <<< "$run"
-    bench $limit --preset $preset --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
-      --gpu-memory-utilization $memory --json "$out/$preset.json" | tail -6 > "$out/$preset.txt"
-  done
+  decode_vs_hf gemma-4-e2b 150 0.5
+  decode_vs_hf gemma-4-31b 300 0.2
   names="gpu gemma-4-e2b gemma-4-31b" ;;
 recheck_31b)
   # The 31B real-width fp32 test failed once on an H200 (2026-12-05, traceback lost to a time
@@ -549,11 +550,9 @@ recheck_31b)
 h200_targets)
   # #19's and #20's H200 decode figures in one call: Qwen3.6-35B-A3B (never measured), E2B at 64
   # rows (no H200 figure) and 26B-A4B (28.5% at batch 1 on the H200 before the MoE-kernel fixes).
-  for run in qwen3.6-35b-a3b:280:0.65 gemma-4-e2b:150:0.5 gemma-4-26b-a4b:140:0.2; do
-    IFS=: read -r preset limit memory <<< "$run"
-    bench $limit --preset $preset --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
-      --gpu-memory-utilization $memory --json "$out/$preset.json" | tail -6 > "$out/$preset.txt"
-  done
+  decode_vs_hf qwen3.6-35b-a3b 280 0.65
+  decode_vs_hf gemma-4-e2b 150 0.5
+  decode_vs_hf gemma-4-26b-a4b 140 0.2
   names="gpu qwen3.6-35b-a3b gemma-4-e2b gemma-4-26b-a4b" ;;
 ragged)
   gputest 330 tests/test_kernels.py tests/test_gpu.py -k "on_cuda or off_the_gemv_k_step" \
@@ -566,13 +565,11 @@ ragged)
   names="gpu tests ragged_ab ragged" ;;
 qwen36)
   gputest 200 tests/test_qwen35.py -k "real_widths and moe" | tail -4 > "$out/tests.txt"
-  bench 330 --preset qwen3.6-35b-a3b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
-    --gpu-memory-utilization 0.65 --json "$out/qwen3.6-35b-a3b.json" | tail -6 > "$out/qwen3.6-35b-a3b.txt"
+  decode_vs_hf qwen3.6-35b-a3b 330 0.65
   names="gpu tests qwen3.6-35b-a3b" ;;
 qwen36_bench)
   # qwen36 without its test, for a warm machine's last minutes.
-  bench 290 --preset qwen3.6-35b-a3b --batch-sizes 1,8,64 --workload decode --compare hf --hf-max-tokens 8 \
-    --gpu-memory-utilization 0.65 --json "$out/qwen3.6-35b-a3b.json" | tail -6 > "$out/qwen3.6-35b-a3b.txt"
+  decode_vs_hf qwen3.6-35b-a3b 290 0.65
   names="gpu qwen3.6-35b-a3b" ;;
 routing_tests)
   gputest 280 tests/test_gpu.py tests/test_gemma4.py tests/test_qwen35.py -k \
