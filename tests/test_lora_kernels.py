@@ -166,8 +166,7 @@ _HOPPER_CHECK = textwrap.dedent("""
                      a2_ptr="*fp32", s0="fp32", s1="fp32", s2="fp32", sync_ptr="*i32")
         # The fused shrink: 3 slots x its K slices ahead of the GEMV's programs, B prefetched.
         slots = 2 if silu else 3
-        steps = -(-k // sl.BLOCK_K)
-        parts = -(-steps // -(-steps // sl.SHRINK_SPLIT))
+        parts = sl.shrink_parts(k, sl.SHRINK_SPLIT)[1]
         consts = dict(BLOCK_M=sl.row_block(m), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                       SILU_MUL=silu, IEEE=dtype == torch.float32, PDL=True, LORA=lora,
                       R=r_block, LA_SPLIT=parts if fused else lk.split_of(k, m), GELU=silu,

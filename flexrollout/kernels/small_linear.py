@@ -315,9 +315,7 @@ class _FusedShrink:
         *adapters, scales = lora_a
         m, k = x.shape
         self.slots = max(i + 1 for i, a in enumerate(adapters) if a is not None)
-        chunks = -(-k // BLOCK_K)           # past K (a ragged width) the shrink's loads are masked
-        k_shrink = BLOCK_K * -(-chunks // max_parts)
-        parts = -(-k // k_shrink)
+        k_shrink, parts = shrink_parts(k, max_parts)
         self.programs = self.slots * parts
         self.low_rank = torch.empty(parts, m, self.slots * r_block, device=x.device,
                                     dtype=torch.float32)
@@ -326,6 +324,14 @@ class _FusedShrink:
             raise ValueError("the fused shrink needs contiguous adapters A of the input's width")
         self.args = (*(dummy if a is None else a for a in adapters), *(float(s) for s in scales),
                      k_shrink, sync_counters(x.device))
+
+
+def shrink_parts(k: int, max_parts: int) -> tuple[int, int]:
+    """(input columns per fused-shrink program, K slices) for a k-wide input cut into at most
+    `max_parts` slices of whole BLOCK_K steps (past K, a ragged width, the loads are masked)."""
+    steps = -(-k // BLOCK_K)
+    k_shrink = BLOCK_K * -(-steps // max_parts)
+    return k_shrink, -(-k // k_shrink)
 
 
 # Per device, two int32 counters the fused shrink's launches use and leave at zero.
