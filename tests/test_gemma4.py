@@ -562,3 +562,22 @@ def test_small_moe_steps_route_and_run_experts_on_the_small_batch_kernels(monkey
     prompts = [[5, 17, 300, 42, 9, 11, 23, 40, 2, 7, 19, 33], [7, 8]]
     routers = [layer.router.proj.weight for layer in model.model.layers]
     assert_small_moe_steps_take_small_kernels(monkeypatch, model, tok, prompts, routers, 6)
+
+
+def test_small_decode_steps_project_per_layer_inputs_through_the_gemv(monkeypatch):
+    """E2B-style per-layer inputs in small decode steps: the context projection of the embeddings
+    (hidden -> layers * P, once a step) takes the GEMV as every layer's projections do (it ran
+    cuBLAS through a kernel-less `linear`), and greedy decode still matches HF's on CPU."""
+    from conftest import _hf_greedy, small_kernels_on_cpu
+
+    from flexrollout import LLM, SamplingParams
+
+    model, tok = make_tiny_gemma4("e2b", hidden_size=128)
+    seen = small_kernels_on_cpu(monkeypatch)
+    prompts = [[5, 17, 300, 42, 9, 11, 23, 40, 2, 7, 19, 33], [7, 8]]
+    refs = [_hf_greedy(model, p, 6).tokens for p in prompts]
+    llm = LLM(model, tokenizer=tok, max_model_len=128, max_num_seqs=2, num_kv_pages=16)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert _tokens(outs) == refs
+    projection = model.model.per_layer_model_projection.weight
+    assert sum(w is projection for w in seen["gemv"]) >= 5      # one a decode step

@@ -29,13 +29,15 @@ class PerLayerInputBlock:
 
 def per_layer_inputs(input_ids: torch.Tensor, embeds: torch.Tensor, table: torch.Tensor,
                      table_scale: torch.Tensor, projection: Linear, projection_scale: float,
-                     norm_w: torch.Tensor, num_layers: int, eps: float, norm_style: str) -> torch.Tensor:
+                     norm_w: torch.Tensor, num_layers: int, eps: float, norm_style: str,
+                     kernels: Kernels) -> torch.Tensor:
     """Every token's per-layer vectors (T, num_layers, P); `embeds` are the scaled token
-    embeddings (T, hidden)."""
+    embeddings (T, hidden). The context projection (hidden -> layers * P: 1,536 x 8,960 on E2B)
+    takes the step's kernels, the GEMV in small decode steps, as every layer's projections do."""
     tokens = input_ids.shape[0]
     identity = F.embedding(input_ids, table) * table_scale.to(table.dtype)
     identity = identity.reshape(tokens, num_layers, -1).to(embeds.dtype)
-    context = (linear(embeds, projection) * projection_scale).reshape(tokens, num_layers, -1)
+    context = (linear(embeds, projection, kernels) * projection_scale).reshape(tokens, num_layers, -1)
     context = rms_norm(context, norm_w, eps, norm_style)
     return (context + identity) * 2.0 ** -0.5
 

@@ -283,7 +283,7 @@ class Gemma4Forward(DecoderForward):
                 text.embed_tokens_per_layer.embed_scale,
                 read_linear(text.per_layer_model_projection, self.merged),
                 self.config.hidden_size ** -0.5, text.per_layer_projection_norm.weight,
-                len(self.spec.layers), self.eps, FP32)
+                len(self.spec.layers), self.eps, FP32, step.kernels)
         return embeds
 
     def _refuse_multimodal(self, input_ids: torch.Tensor) -> None:
