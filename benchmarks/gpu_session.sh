@@ -118,6 +118,8 @@
 #   recheck_31b : Gemma-4-31B's real-width fp32 greedy test against HF alone (about 8 minutes)
 #   h200_targets : (carry .whl; an H200) Qwen3.6-35B-A3B, Gemma-4-E2B and 26B-A4B decode at 1 / 8 / 64
 #                  against their rooflines and HF: #19's and #20's H200 figures (about 10 minutes)
+#   h200_issue20 : (carry .whl; an H200) Qwen3.6-35B-A3B and Qwen3.5-4B decode at 1 / 8 / 64 against
+#                  their rooflines and HF: #20's H200 figures (about 8 minutes)
 #   routing_tests : the GPU tests of routing per projection (live LoRA on gpt-oss and 26B-A4B against
 #                   PEFT, their fp32 parity with HF), the revised bf16 fla_decode test, then where
 #                   Qwen3.5-4B's batch-64 step goes (profile_decode.py; carry .whl) (about 9 minutes)
@@ -554,6 +556,11 @@ h200_targets)
   decode_vs_hf gemma-4-e2b 150 0.5
   decode_vs_hf gemma-4-26b-a4b 140 0.2
   names="gpu qwen3.6-35b-a3b gemma-4-e2b gemma-4-26b-a4b" ;;
+h200_issue20)
+  # #20's H200 figures: Qwen3.6-35B-A3B (never measured) and Qwen3.5-4B (H100 figures only).
+  decode_vs_hf qwen3.6-35b-a3b 280 0.65
+  decode_vs_hf qwen3.5-4b 170 0.5
+  names="gpu qwen3.6-35b-a3b qwen3.5-4b" ;;
 ragged)
   gputest 330 tests/test_kernels.py tests/test_gpu.py -k "on_cuda or off_the_gemv_k_step" \
     | tail -6 > "$out/tests.txt"
