@@ -547,7 +547,7 @@ h200_gemma)
 recheck_31b)
   # The 31B real-width fp32 test failed once on an H200 (2026-12-05, traceback lost to a time
   # limit) and has not run to its end since; alone, with room for its compiles.
-  gputest 560 tests/test_gemma4.py -k "fp32_greedy and 31b" | tail -30 > "$out/tests.txt"
+  gputest "${LIMIT_31B:-560}" tests/test_gemma4.py -k "fp32_greedy and 31b" | tail -30 > "$out/tests.txt"
   names="gpu tests" ;;
 h200_targets)
   # #19's and #20's H200 decode figures in one call: Qwen3.6-35B-A3B (never measured), E2B at 64
