@@ -115,6 +115,8 @@
 #            real-width fp32 GPU test, then decode at 1 / 8 / 64 against its MoE roofline and HF
 #            (#20's target: 50% at batch 8) (about 8 minutes)
 #   qwen36_bench : qwen36's decode without its test (about 5 minutes)
+#   qwen36_short : (carry .whl; an H200) Qwen3.6-35B-A3B decode at 1 / 8 against its MoE roofline
+#                  and HF (about 4 minutes)
 #   recheck_31b : Gemma-4-31B's real-width fp32 greedy test against HF alone (about 8 minutes)
 #   h200_targets : (carry .whl; an H200) Qwen3.6-35B-A3B, Gemma-4-E2B and 26B-A4B decode at 1 / 8 / 64
 #                  against their rooflines and HF: #19's and #20's H200 figures (about 10 minutes)
@@ -574,6 +576,11 @@ qwen36)
   gputest 200 tests/test_qwen35.py -k "real_widths and moe" | tail -4 > "$out/tests.txt"
   decode_vs_hf qwen3.6-35b-a3b 330 0.65
   names="gpu tests qwen3.6-35b-a3b" ;;
+qwen36_short)
+  # #20's key figure (batch 8 against the MoE roofline and HF) in about 4 minutes.
+  bench 250 --preset qwen3.6-35b-a3b --batch-sizes 1,8 --workload decode --compare hf --hf-max-tokens 8 \
+    --gpu-memory-utilization 0.65 --json "$out/qwen3.6-35b-a3b.json" | tail -5 > "$out/qwen3.6-35b-a3b.txt"
+  names="gpu qwen3.6-35b-a3b" ;;
 qwen36_bench)
   # qwen36 without its test, for a warm machine's last minutes.
   decode_vs_hf qwen3.6-35b-a3b 290 0.65
