@@ -33,9 +33,9 @@ import functools
 
 import torch
 
-from .small_linear import rank_block, row_block
+# The shrink's K tile is the GEMV's K step: the fused shrink (`small_linear`) cuts K the same way.
+from .small_linear import BLOCK_K, rank_block, row_block, shrink_parts
 
-BLOCK_K = 128
 # K slices per shrink at one row block: enough programs to stream the A matrices (at 1-32 rows,
 # 32 slices take 2.4-4.4 us per Qwen3-4B group against 3.4-9.5 at 8; H100, lora_sweep.py). More
 # row blocks need fewer slices, and every slice is a partial tile each consumer program re-reads.
@@ -59,13 +59,16 @@ MAX_ROWS = 32
 def k_slice(k: int, m: int, max_split: int = MAX_SPLIT) -> int:
     """Input columns per shrink program for m rows: a multiple of BLOCK_K, at most `max_split`
     slices over all row blocks (prefill's many row blocks stream A unsplit)."""
-    row_blocks = -(-m // row_block(m))
-    chunks = -(-k // BLOCK_K)
-    return BLOCK_K * -(-chunks // max(1, max_split // row_blocks))
+    return shrink_parts(k, _max_parts(m, max_split))[0]
 
 
 def split_of(k: int, m: int, max_split: int = MAX_SPLIT) -> int:
-    return -(-k // k_slice(k, m, max_split))
+    return shrink_parts(k, _max_parts(m, max_split))[1]
+
+
+def _max_parts(m: int, max_split: int) -> int:
+    """K slices per row block for m rows: `max_split` over all row blocks, at least one."""
+    return max(1, max_split // -(-m // row_block(m)))
 
 
 def _ranks(a0, a1, a2) -> list[int]:

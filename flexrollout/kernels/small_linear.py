@@ -327,8 +327,9 @@ class _FusedShrink:
 
 
 def shrink_parts(k: int, max_parts: int) -> tuple[int, int]:
-    """(input columns per fused-shrink program, K slices) for a k-wide input cut into at most
-    `max_parts` slices of whole BLOCK_K steps (past K, a ragged width, the loads are masked)."""
+    """(input columns per shrink program, K slices) for a k-wide input cut into at most
+    `max_parts` slices of whole BLOCK_K steps (past K, a ragged width, the loads are masked):
+    the fused shrink's, and the separate shrink's per row block (`lora.k_slice`)."""
     steps = -(-k // BLOCK_K)
     k_shrink = BLOCK_K * -(-steps // max_parts)
     return k_shrink, -(-k // k_shrink)
