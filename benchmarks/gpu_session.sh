@@ -597,6 +597,12 @@ e2b_gemv)
   timeout 420 python3 benchmarks/gemv_sweep.py "$out/e2b_gemv.json" --shapes e2b --rows 1,8 2>&1 \
     | tee -a "$out/full.log" | grep -v -e skip -e Warn > "$out/e2b_gemv.txt"
   names="gpu e2b_gemv" ;;
+probe4)
+  # Which stall makes the engine's dot-based 4-bit kernel 15x slower than bitsandbytes (#22):
+  # its loop with one suspect removed at a time (code gather, strided x, pipeline depth).
+  timeout 240 python3 benchmarks/gemv_4bit_probe.py --rows 1,64 --nested 1 2>&1 | tee -a "$out/full.log" \
+    | grep "^|" > "$out/probe4.txt"
+  names="gpu probe4" ;;
 designs2)
   timeout 300 python3 benchmarks/gemv_4bit_designs.py --rows 1,8 2>&1 | tee -a "$out/full.log" \
     | grep -v -e fail -e Warn | tail -14 > "$out/lut.txt"
