@@ -20,7 +20,7 @@ Timed from CUDA-graph replays cycling 8 weight copies (split-K partials summed, 
 would), beside the engine's kernel and bitsandbytes' op; each variant that computes real weights
 is checked against bitsandbytes' dequantised weight (relative error printed).
 
-    python benchmarks/gemv_4bit_probe.py [--rows 1,64] [--nested 0,1]
+    python benchmarks/gemv_4bit_probe.py [--rows 1,64] [--nested 0,1] [--stages 1,2,4]
 """
 import argparse
 import functools
@@ -110,13 +110,13 @@ def _report(label: str, fn, value: torch.Tensor, ref: torch.Tensor) -> None:
     logger.info("| %s | %.1f | %.1e |", label, graph_us_cycling(fn, COPIES), err)
 
 
-def _probe_rows(nested: bool, m: int, weights: list, packs: list) -> None:
+def _probe_rows(nested: bool, m: int, weights: list, packs: list, stage_counts: list[int]) -> None:
     """Every variant, the engine's kernel and bitsandbytes' op at m rows, one table row each."""
     x = torch.randn(m, weights[0][1].shape[1], device="cuda", dtype=torch.bfloat16)
     ref = x.float() @ bnb.functional.dequantize_4bit(*weights[0]).float().t()
     runs = {"engine kernel": lambda i: gemv_4bit.launch(x, *packs[i]).sum(0)}
     runs["bitsandbytes matmul_4bit"] = lambda i: bnb.matmul_4bit(x, weights[i][0].t(), quant_state=weights[i][1])
-    for lookup, x_whole, stages in itertools.product((0, 1, 2), (False, True), (1, 2, 4)):
+    for lookup, x_whole, stages in itertools.product((0, 1, 2), (False, True), stage_counts):
         # lookup "none" computes wrong weights on purpose: its error is not a check.
         name = f"{('global', 'register', 'none')[lookup]}, {'whole' if x_whole else 'strided'}, {stages}"
         runs[name] = functools.partial(lambda i, a: probe(x, *packs[i], *a).sum(0), a=(lookup, x_whole, stages))
@@ -128,6 +128,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="1,64")
     parser.add_argument("--nested", default="1,0")
+    parser.add_argument("--stages", default="1,2,4", help="pipeline depths to try")
     parser.add_argument("--shape", default="6144,2560", help="out,in (Qwen3-4B's q/k/v)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
@@ -141,7 +142,7 @@ def main(argv=None) -> None:
                    for _ in range(COPIES)]
         packs = [(p, gemv_4bit.Packed4bit.of(s)) for p, s in weights]
         for m in (int(r) for r in args.rows.split(",")):
-            _probe_rows(nested, m, weights, packs)
+            _probe_rows(nested, m, weights, packs, [int(v) for v in args.stages.split(",")])
 
 if __name__ == "__main__":
     main()

@@ -600,7 +600,8 @@ e2b_gemv)
 probe4)
   # Which stall makes the engine's dot-based 4-bit kernel 15x slower than bitsandbytes (#22):
   # its loop with one suspect removed at a time (code gather, strided x, pipeline depth).
-  timeout 240 python3 benchmarks/gemv_4bit_probe.py --rows 1,64 --nested 1 2>&1 | tee -a "$out/full.log" \
+  timeout "${LIMIT_PROBE:-240}" python3 benchmarks/gemv_4bit_probe.py --rows 1,64 --nested 1 \
+    --stages "${PROBE_STAGES:-1,2,4}" 2>&1 | tee -a "$out/full.log" \
     | grep "^|" > "$out/probe4.txt"
   names="gpu probe4" ;;
 designs2)
