@@ -12,10 +12,11 @@ shows three suspects (Triton 3.6, 2026-12-07):
 - x's even and odd columns are strided loads (`LDG.E.U16`), synchronous, inside the loop;
 - the nested scale is a chain of two dependent loads a step (absmax code, then code2[q]).
 
-Each variant below is the engine's loop (non-nested or nested NF4, one matrix) with one of them
-changed: `lookup` global (as the engine) / register (`tl.gather` over the code held in registers:
-warp shuffles on sm_90) / none (the nibble itself as the weight: wrong values, timing only);
-`x` strided (as the engine) / whole (one contiguous load split in registers); pipeline stages.
+Each variant below is the engine's loop (non-nested or nested NF4, one matrix, the engine's own
+`block_scale`) with one of them changed: `lookup` global (as the engine) / register (`tl.gather`
+over the code held in registers: warp shuffles on sm_90) / none (the nibble itself as the
+weight: wrong values, timing only); `x` strided (as the engine) / whole (one contiguous load
+split in registers); pipeline stages.
 Timed from CUDA-graph replays cycling 8 weight copies (split-K partials summed, as a consumer
 would), beside the engine's kernel and bitsandbytes' op; each variant that computes real weights
 is checked against bitsandbytes' dequantised weight (relative error printed).
@@ -35,6 +36,7 @@ import triton.language as tl
 from gemv_sweep import graph_us_cycling
 
 from flexrollout.kernels import gemv_4bit
+from flexrollout.kernels.gemv_4bit_jit import block_scale
 
 COPIES = 8
 BLOCK_N = 64
@@ -46,7 +48,7 @@ def probe_kernel(x_ptr, out_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, 
                  M, N, K, K_PER, stride_xm, stride_split, stride_om,
                  BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
                  LOOKUP: tl.constexpr, X_WHOLE: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -65,12 +67,8 @@ def probe_kernel(x_ptr, out_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, 
         packed = tl.load(packed_ptr + row_bytes + (k0 // 2 + pairs)[None, :],
                          mask=row_ok[:, None], other=0).to(tl.int32)
         block = row_blocks + k0 // BLOCKSIZE
-        if NESTED:
-            q = tl.load(absmax_ptr + block, mask=row_ok, other=0).to(tl.int32)
-            scale2 = tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=row_ok, other=0.0)
-            scale = tl.load(code2_ptr + q) * scale2 + tl.load(offset_ptr)
-        else:
-            scale = tl.load(absmax_ptr + block, mask=row_ok, other=0.0)
+        scale = block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, row_ok,
+                            BLOCKSIZE2, NESTED, EMULATE)
         hi, lo = packed >> 4, packed & 0xF
         if LOOKUP == 0:          # the engine's: a gather from global memory per weight
             w_even, w_odd = tl.load(code_ptr + hi), tl.load(code_ptr + lo)
@@ -101,7 +99,7 @@ def probe(x, packed, q: gemv_4bit.Packed4bit, lookup: int, x_whole: bool, stages
         x, out, packed, q.absmax, q.code, q.absmax2, q.code2, q.offset, m, n, k, k_per,
         x.stride(0), out.stride(0), out.stride(1), BLOCKSIZE=q.blocksize, BLOCKSIZE2=q.blocksize2,
         NESTED=q.nested, LOOKUP=lookup, X_WHOLE=x_whole, BLOCK_M=gemv_4bit.row_block(m),
-        BLOCK_N=BLOCK_N, num_warps=4, num_stages=stages)
+        BLOCK_N=BLOCK_N, EMULATE=not x.is_cuda, num_warps=4, num_stages=stages)
     return out
 
 
