@@ -13,7 +13,9 @@ size: every real model's widths are): each loop step covers one block of K, so a
 is one value per step (nested or not, computed once per row, not per element), and the block's
 bytes split into the high nibbles (even elements) and low nibbles (odd elements), which meet
 x's even and odd columns in two dots: no interleave and no per-element index arithmetic. What
-remains per element is one lookup in the 64-byte code table (one cache line) and the scale.
+remains per element is one lookup in the 16-entry code, held in registers for the whole loop
+(`tl.gather`: a warp shuffle on sm_90), and the scale. x's block is one contiguous load, split
+into its even and odd columns in registers.
 
 The weight each product sees is bitsandbytes' dequantised weight bit for bit (rounded to its
 dtype, then to x's); on CUDA the dots run in x's dtype with fp32 sums. Under Triton's interpreter
@@ -22,12 +24,13 @@ interpreter truncates fp32 -> bf16 casts and multiplies bf16 dot operands as int
 
 Results come back as fp32 partials (split, M, N) summed by the caller, like `small_linear`.
 
-The engine routes to it only with `LLM(quant_kernels=True)` (off by default): on an H100
-(benchmarks/gemv_4bit_sweep.py, 2026-12-06) this version took 180-680 us per Qwen3-4B projection
-at one row, 8-25x bitsandbytes' own op, which `layers/quant.py` runs by default. A tiling sweep
-of the same design (hi and lo nibbles dequantised apart, two quantisation blocks per step) was
-3.5x faster and still 4x slower than bitsandbytes at one row. Not profiled; the suspects are
-the per-element code lookup (a gather from global memory) and the dots' operand conversions.
+The engine routes to it only with `LLM(quant_kernels=True)` (off by default). Until 2026-12-07
+it gathered the code from global memory per weight and loaded x's even and odd columns strided:
+180 / 257 us for Qwen3-4B's q/k/v at 1 / 64 rows on an H100, against bitsandbytes' 12.4 / 34.8.
+Its loop with the code in registers and x loaded whole took 27 / 33 us
+(benchmarks/gemv_4bit_probe.py, H100, 2026-12-07): on par with bitsandbytes at 64 rows, still 2x
+behind its fused GEMV at one row, so `layers/quant.py` keeps bitsandbytes' op by default. This
+kernel, which carries both changes, has not itself been timed on a GPU.
 """
 from __future__ import annotations
 
