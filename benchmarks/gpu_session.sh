@@ -597,6 +597,14 @@ e2b_gemv)
   timeout 420 python3 benchmarks/gemv_sweep.py "$out/e2b_gemv.json" --shapes e2b --rows 1,8 2>&1 \
     | tee -a "$out/full.log" | grep -v -e skip -e Warn > "$out/e2b_gemv.txt"
   names="gpu e2b_gemv" ;;
+nf4_lookup)
+  # The 4-bit kernel with the code in registers and x loaded whole (2026-12-07): its GPU tests,
+  # then per projection against bitsandbytes, then NF4 decode with it against bitsandbytes' ops.
+  gputest 200 tests/test_quant4bit.py -k "kernel_on_cuda or quant_kernels" | tail -4 > "$out/kernel_test.txt"
+  timeout 120 python3 benchmarks/gemv_4bit_sweep.py --rows 1,8,64 2>&1 | filter | tail -12 > "$out/gemv_4bit.txt"
+  for a in '{}' '{"quant_kernels": true}'; do echo "== $a"; bench 120 --preset qwen3-4b --batch-sizes 1,8,64 \
+    --quantization bnb-nf4 --engine-args "$a" | tail -4; done > "$out/nf4_ab.txt"
+  names="gpu kernel_test gemv_4bit nf4_ab" ;;
 probe4)
   # Which stall makes the engine's dot-based 4-bit kernel 15x slower than bitsandbytes (#22):
   # its loop with one suspect removed at a time (code gather, strided x, pipeline depth).
