@@ -12,6 +12,10 @@ shows three suspects (Triton 3.6, 2026-12-07):
 - x's even and odd columns are strided loads (`LDG.E.U16`), synchronous, inside the loop;
 - the nested scale is a chain of two dependent loads a step (absmax code, then code2[q]).
 
+The probe found the first two (H100, BENCHMARKS.md "eighteenth session"), and the engine's kernel
+has since taken both fixes: its row below is the kernel as it is now, and the "global, strided"
+variants are its loop as it was.
+
 Each variant below is the engine's loop (non-nested or nested NF4, one matrix, the engine's own
 `block_scale`) with one of them changed: `lookup` global (as the engine) / register (`tl.gather`
 over the code held in registers: warp shuffles on sm_90) / none (the nibble itself as the
@@ -39,7 +43,6 @@ from flexrollout.kernels import gemv_4bit
 from flexrollout.kernels.gemv_4bit_jit import block_scale
 
 COPIES = 8
-BLOCK_N = 64
 logger = logging.getLogger(__name__)
 
 
@@ -70,7 +73,7 @@ def probe_kernel(x_ptr, out_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, 
         scale = block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, row_ok,
                             BLOCKSIZE2, NESTED, EMULATE)
         hi, lo = packed >> 4, packed & 0xF
-        if LOOKUP == 0:          # the engine's: a gather from global memory per weight
+        if LOOKUP == 0:          # the engine's until 2026-12-07: a gather from global memory
             w_even, w_odd = tl.load(code_ptr + hi), tl.load(code_ptr + lo)
         elif LOOKUP == 1:        # the code in registers
             w_even, w_odd = tl.gather(code, hi, axis=1), tl.gather(code, lo, axis=1)
@@ -95,11 +98,11 @@ def probe(x, packed, q: gemv_4bit.Packed4bit, lookup: int, x_whole: bool, stages
     n = q.shape[0]
     split, k_per = gemv_4bit.k_slices(n, k, q.blocksize)
     out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    probe_kernel[(triton.cdiv(n, BLOCK_N), split)](
+    probe_kernel[(triton.cdiv(n, gemv_4bit.BLOCK_N), split)](
         x, out, packed, q.absmax, q.code, q.absmax2, q.code2, q.offset, m, n, k, k_per,
         x.stride(0), out.stride(0), out.stride(1), BLOCKSIZE=q.blocksize, BLOCKSIZE2=q.blocksize2,
         NESTED=q.nested, LOOKUP=lookup, X_WHOLE=x_whole, BLOCK_M=gemv_4bit.row_block(m),
-        BLOCK_N=BLOCK_N, EMULATE=not x.is_cuda, num_warps=4, num_stages=stages)
+        BLOCK_N=gemv_4bit.BLOCK_N, EMULATE=not x.is_cuda, num_warps=4, num_stages=stages)
     return out
 
 

@@ -128,6 +128,10 @@
 #   e2b_gemv : the GEMV tilings swept on Gemma-4-E2B's shapes at 1 / 8 rows (about 5 minutes)
 #   designs2 : (carry .whl) the 4-bit GEMV designs (code looked up by warp shuffle or prmt) at 1 / 8
 #              rows, each best tiling's kernel alone too
+#   probe4 : (carry .whl) the engine's 4-bit loop with one suspect changed at a time (code lookup,
+#            x load, pipeline depth) against bitsandbytes (about 4 minutes; LIMIT_PROBE, PROBE_STAGES)
+#   nf4_lookup : (carry .whl) the 4-bit kernel with the code in registers: its GPU tests, the
+#                per-projection sweep, NF4 decode with and without quant_kernels (about 9 minutes)
 #   twelfth : (carry .whl with fla) Qwen3.5-4B decode 1 / 8 / 64 against HF, Qwen3-4B's batch-1
 #             decode profile without and with a live r=32 adapter on all seven projections
 #   gemma_startup : Gemma-4-E2B decode 1 / 8 / 64 from cold compile caches with weight shapes traced
