@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import run_fresh_python
+from flexrollout.kernels import registered
 from flexrollout.kernels import small_linear as sl
 
 triton = pytest.importorskip("triton")
@@ -240,7 +241,7 @@ def test_gated_act_compiled_takes_the_one_gate_up_launch(name):
     calls = []
 
     def backend(gm, example_inputs):
-        calls.extend(n for n in gm.graph.nodes if n.target is torch.ops.flexrollout.small_linear.default)
+        calls.extend(n for n in gm.graph.nodes if n.target is registered("small_linear").default)
         return gm.forward
 
     torch._dynamo.reset()
@@ -360,3 +361,26 @@ def test_a_model_with_one_projection_off_the_k_step_decodes_the_rest_through_the
     down_on_gemv = ragged_gemv and mlp_width % 64 == 0
     assert widths and set(widths) == ({128, mlp_width} if down_on_gemv else {128}), set(widths)
     assert widths.count(128) >= 5 * 3 * 2                   # q/k/v, o, gate/up in each layer's decode steps
+
+
+def test_op_namespace_follows_the_op_sources(tmp_path):
+    """The custom ops' namespace hashes the sources that define them (kernels/ and layers/), so
+    a changed op is a new name, which Inductor's FX graph cache cannot confuse with the old one
+    (its key holds the op's name, not its fake's shape rule); other files leave it alone."""
+    import shutil
+    from pathlib import Path
+
+    import flexrollout
+    from flexrollout.kernels import NAMESPACE, sources_hash
+
+    package = Path(flexrollout.__file__).parent
+    assert NAMESPACE == f"flexrollout_{sources_hash(package)}"
+    assert registered("small_linear") is getattr(torch.ops, NAMESPACE).small_linear
+    copy = tmp_path / "flexrollout"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert sources_hash(copy) == sources_hash(package)
+    (copy / "cli.py").write_text("# not an op's source\n")
+    assert sources_hash(copy) == sources_hash(package)
+    kernel = copy / "kernels" / "gemv_4bit.py"
+    kernel.write_text(kernel.read_text().replace("STEP_COLUMNS = 128", "STEP_COLUMNS = 256"))
+    assert sources_hash(copy) != sources_hash(package)

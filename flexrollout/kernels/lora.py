@@ -34,6 +34,7 @@ import functools
 import torch
 
 # The shrink's K tile is the GEMV's K step: the fused shrink (`small_linear`) cuts K the same way.
+from . import custom_op
 from .small_linear import BLOCK_K, rank_block, row_block, shrink_parts
 
 # K slices per shrink at one row block: enough programs to stream the A matrices (at 1-32 rows,
@@ -127,7 +128,7 @@ def _pdl_ok(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-@torch.library.custom_op("flexrollout::lora_shrink", mutates_args=())
+@custom_op("lora_shrink")
 def lora_shrink(x: torch.Tensor, a0: torch.Tensor | None, a1: torch.Tensor | None,
                 a2: torch.Tensor | None, s0: float, s1: float, s2: float,
                 pdl: bool = True) -> torch.Tensor:
@@ -165,7 +166,7 @@ def launch(x, a0, a1, a2, scales, pdl: bool = False, max_split: int = MAX_SPLIT)
     return out
 
 
-@torch.library.custom_op("flexrollout::lora_expand", mutates_args=())
+@custom_op("lora_expand")
 def lora_expand(base: torch.Tensor, low_rank: torch.Tensor, b: torch.Tensor, slot: int,
                 r_block: int, pdl: bool = True) -> torch.Tensor:
     """base + B (s A x) rounded once to base's dtype: `base` (M, N) a projection's output,

@@ -24,6 +24,8 @@ import functools
 
 import torch
 
+from . import custom_op
+
 
 def supported(head_dim: int, k_cache: torch.Tensor) -> bool:
     """A power-of-two head (the kernel's half-head arange) and a (1, H, S, D) cache whose head
@@ -108,7 +110,7 @@ def tl_dtype(dtype: torch.dtype):
     return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
-@torch.library.custom_op("flexrollout::qkv_epilogue", mutates_args=("k_cache", "v_cache"))
+@custom_op("qkv_epilogue", mutates_args=("k_cache", "v_cache"))
 def qkv_epilogue(q_src: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor,
                  bq: torch.Tensor | None, bk: torch.Tensor | None, bv: torch.Tensor | None,
                  qn_w: torch.Tensor | None, kn_w: torch.Tensor | None,

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..compile import deepest_fitting
+from . import custom_op
 
 # Largest batch the engine gives the kernel for plain projections (row tiles of 16 or 32); larger
 # ones go to cuBLAS, which is on par from M = 64 on. The engine's threshold is
@@ -199,7 +200,7 @@ def _out_dtype(x: torch.Tensor, silu_mul: bool) -> torch.dtype:
     return x.dtype if silu_mul else torch.float32
 
 
-@torch.library.custom_op("flexrollout::small_linear", mutates_args=())
+@custom_op("small_linear")
 def small_linear(x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor | None = None,
                  w2: torch.Tensor | None = None, silu_mul: bool = False,
                  pdl: bool = True, low_rank: torch.Tensor | None = None,

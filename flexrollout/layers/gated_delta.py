@@ -26,6 +26,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ..kernels import custom_op
+
 logger = logging.getLogger(__name__)
 
 CHUNK = 64                 # tokens per chunk of the torch reference (as transformers' fallback)
@@ -141,7 +143,7 @@ def recurrent_step(q, k, v, g, beta, state: torch.Tensor):
     return (state * q[..., None]).sum(-2), state
 
 
-@torch.library.custom_op("flexrollout::gated_delta_decode", mutates_args=("pool",))
+@custom_op("gated_delta_decode", mutates_args=("pool",))
 def fla_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`recurrent_step` through fla's kernel, each row's state read from and written back to its

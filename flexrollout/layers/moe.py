@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..kernels import expert_gemv
+from ..kernels import custom_op, expert_gemv
 from .linear import Kernels, Linear, linear
 
 # The gated activations of expert MLPs.
@@ -103,7 +103,7 @@ def experts_forward(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
                        *_terms(ex.down_lora, ex.live_mask, ex.row_down), small_rows)
 
 
-@torch.library.custom_op("flexrollout::moe_experts", mutates_args=())
+@custom_op("moe_experts")
 def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
                 transposed: bool, interleaved: bool, act: str, limit: float, alpha: float,
