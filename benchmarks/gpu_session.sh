@@ -602,8 +602,9 @@ e2b_gemv)
     | tee -a "$out/full.log" | grep -v -e skip -e Warn > "$out/e2b_gemv.txt"
   names="gpu e2b_gemv" ;;
 nf4_lookup)
-  # The 4-bit kernel with the code in registers and x loaded whole (2026-12-07): its GPU tests,
-  # then per projection against bitsandbytes, then NF4 decode with it against bitsandbytes' ops.
+  # The 4-bit kernel with the code in registers, x loaded whole and two NF4 blocks a loop step
+  # (2026-12-07): its GPU tests, then per projection against bitsandbytes, then NF4 decode with it
+  # against bitsandbytes' ops.
   gputest 200 tests/test_quant4bit.py -k "kernel_on_cuda or quant_kernels" | tail -4 > "$out/kernel_test.txt"
   timeout 120 python3 benchmarks/gemv_4bit_sweep.py --rows 1,8,64 2>&1 | filter | tail -12 > "$out/gemv_4bit.txt"
   for a in '{}' '{"quant_kernels": true}'; do echo "== $a"; bench 120 --preset qwen3-4b --batch-sizes 1,8,64 \

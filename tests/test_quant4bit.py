@@ -288,7 +288,9 @@ _HOPPER_CHECK = textwrap.dedent("""
     for x_type, w_type, nested, blocksize, block_m in (("bf16", "bf16", True, 64, 16), ("fp16", "bf16", False, 128, 16),
                                                        ("fp32", "fp32", True, 64, 16), ("bf16", "bf16", True, 64, 64),
                                                        ("bf16", "bf16", True, 256, 64), ("fp32", "fp32", False, 256, 64),
-                                                       ("fp32", "fp32", True, 128, 64)):
+                                                       ("fp32", "fp32", True, 128, 64), ("fp32", "fp32", True, 64, 64),
+                                                       ("bf16", "bf16", False, 32, 64)):
+        per_step = gemv_4bit.blocks_per_step(9728, blocksize)
         types = dict(x_ptr="*" + x_type, out_ptr="*fp32", la_ptr="*fp32", b_0="*fp32", b_1="*fp32",
                      b_2="*fp32")
         for i in range(3):                  # q / k / v's tensors
@@ -299,7 +301,8 @@ _HOPPER_CHECK = textwrap.dedent("""
                       W_DTYPE=tl.bfloat16 if w_type == "bf16" else tl.float32,
                       X_DTYPE={"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[x_type],
                       EMULATE=False, BLOCK_M=block_m, BLOCK_N=gemv_4bit.BLOCK_N,
-                      LORA=block_m == 64, R=128, LA_SPLIT=4)     # QLoRA folded in at 64-row tiles
+                      LORA=block_m == 64, R=128, LA_SPLIT=4,     # QLoRA folded in at 64-row tiles
+                      BLOCKS_PER_STEP=per_step)
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
         # Specialised as a real launch is (pointers and sizes divisible by 16), without which
         # Triton does not pipeline with async copies and shared memory reads low.
@@ -307,9 +310,10 @@ _HOPPER_CHECK = textwrap.dedent("""
                  if sig[n].startswith("*") or sig[n] == "i32"}
         src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": 4, "num_stages": gemv_4bit.pipeline_stages(blocksize)})
+                                options={"num_warps": 4,
+                                         "num_stages": gemv_4bit.pipeline_stages(blocksize * per_step)})
         assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
-        print(x_type, w_type, nested, blocksize, block_m, kernel.metadata.shared)
+        print(x_type, w_type, nested, blocksize, per_step, block_m, kernel.metadata.shared)
 """)
 
 
@@ -437,7 +441,7 @@ _COMPILE_CHECK = textwrap.dedent("""
     from conftest import make_tiny_model
     from test_quant4bit import GREEDY, PROMPTS, _hf_greedy, _quantize_projections, dequantized_reference, with_lora
     from flexrollout import LLM
-    from flexrollout.kernels import gemv_4bit
+    from flexrollout.kernels import gemv_4bit, registered
 
     model, tok = make_tiny_model("llama", seed=4, layers=4)
     model = _quantize_projections(model, "nf4", True)
@@ -471,12 +475,12 @@ _COMPILE_CHECK = textwrap.dedent("""
         outs = llm.generate([{{"prompt_token_ids": p}} for p in PROMPTS], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
     if not {inductor}:
-        assert ("flexrollout.gemv_4bit.default" in traced) == {quant_kernels}, traced
+        assert (str(registered("gemv_4bit").default) in traced) == {quant_kernels}, traced
         assert ("bitsandbytes.gemm_4bit.default" in traced) != {quant_kernels}, traced
-        assert ("flexrollout.lora_shrink.default" in traced) == {qlora}, traced
+        assert (str(registered("lora_shrink").default) in traced) == {qlora}, traced
         # QLoRA: with our kernel the adapters fold into its launch; with bitsandbytes' op an
         # expand adds each adapter's B (s A x) to its output
-        assert ("flexrollout.lora_expand.default" in traced) == ({qlora} and not {quant_kernels}), traced
+        assert (str(registered("lora_expand").default) in traced) == ({qlora} and not {quant_kernels}), traced
     # with our kernel: the packed prefill (20 rows) and the decode steps (3 rows)
     assert set(launches) == ({{sum(map(len, PROMPTS)), len(PROMPTS)}} if {quant_kernels} else set()), launches
     counts = {{}}

@@ -9,10 +9,11 @@ quant state's dtype. Double quantisation stores absmax as uint8 codes:
 `absmax = code2[q] * absmax2[j // blocksize2] + offset` (fp32), as `dequantize_blockwise` does.
 
 The kernel serves weights whose rows hold whole quantisation blocks (K a multiple of the block
-size: every real model's widths are): each loop step covers one block of K, so a row's scale
-is one value per step (nested or not, computed once per row, not per element), and the block's
-bytes split into the high nibbles (even elements) and low nibbles (odd elements), which meet
-x's even and odd columns in two dots: no interleave and no per-element index arithmetic. What
+size: every real model's widths are): each loop step covers whole blocks of K (128 columns
+where K allows: two NF4 blocks), so a row's scales are a few values per step (nested or not,
+computed per row and block, not per element), and the step's bytes split into the high nibbles
+(even elements) and low nibbles (odd elements), which meet x's even and odd columns in two
+dots: no interleave and no per-element index arithmetic. What
 remains per element is one lookup in the 16-entry code, held in registers for the whole loop
 (`tl.gather`: a warp shuffle on sm_90), and the scale. x's block is one contiguous load, split
 into its even and odd columns in registers.
@@ -30,7 +31,9 @@ it gathered the code from global memory per weight and loaded x's even and odd c
 Its loop with the code in registers and x loaded whole took 27 / 33 us
 (benchmarks/gemv_4bit_probe.py, H100, 2026-12-07): on par with bitsandbytes at 64 rows, still 2x
 behind its fused GEMV at one row, so `layers/quant.py` keeps bitsandbytes' op by default. This
-kernel, which carries both changes, has not itself been timed on a GPU.
+kernel, which carries both changes, has not itself been timed on a GPU. Nor has its loop step
+of two NF4 blocks (64 columns before): compiled for sm_90 on CPU, its loop went from 18 to 9
+instructions per weight.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import custom_op
 from .small_linear import rank_block, row_block
 
 # Largest row count this kernel serves: one row tile of 16, 32 or 64 rows (`row_block`), so a
@@ -49,6 +53,10 @@ MAX_ROWS = 64
 BLOCK_N = 64
 # Quantisation block sizes it takes: a loop step holds a (BLOCK_N, blocksize / 2) byte tile.
 BLOCKSIZES = (32, 64, 128, 256)
+# Columns of K a loop step covers at least (whole quantisation blocks): at 64 columns (one NF4
+# block) the loop spent 18 instructions per weight, at 128 columns 9 (its SASS for sm_90,
+# Triton 3.6, compiled on CPU: the step's fixed costs and the dots' operand shuffles halve).
+STEP_COLUMNS = 128
 # Split K until there are this many programs (the H200 has 132 SMs), as small_linear does.
 MIN_PROGRAMS = 256
 MAX_SPLIT = 8
@@ -134,24 +142,40 @@ def _packed(quant_state) -> Packed4bit:
     return quant_state if isinstance(quant_state, Packed4bit) else Packed4bit.of(quant_state)
 
 
-def pipeline_stages(blocksize: int) -> int:
-    """Loads in flight per program: fewer for larger quantisation blocks, whose tiles would
-    otherwise overflow Hopper's 227 KB of shared memory (Triton 3.6 for sm_90, 4 warps: at
-    4 stages a 256-block tile needs 233-449 KB; with these, the most is 192 KB, fp32 rows of 64)."""
-    return 4 if blocksize <= 64 else (3 if blocksize == 128 else 2)
+def step_columns(blocksize: int) -> int:
+    """Columns of K a loop step covers where K allows: STEP_COLUMNS, or one block if larger.
+    Slices are whole steps of this size (`k_slices`), whatever K: the op's output shape, which
+    its fake computes from symbolic widths, must not depend on K's divisibility."""
+    return max(blocksize, STEP_COLUMNS)
 
 
-def split_k(n: int, k: int, blocksize: int) -> int:
+def blocks_per_step(k: int, blocksize: int) -> int:
+    """Quantisation blocks one loop step covers: a step of `step_columns` where K is a multiple
+    of it (every slice is then whole steps and the loop needs no masks), else one block."""
+    step = step_columns(blocksize)
+    return step // blocksize if k % step == 0 else 1
+
+
+def pipeline_stages(step: int) -> int:
+    """Loads in flight per program for a loop step of `step` columns of K: fewer for longer
+    steps, whose tiles would otherwise overflow Hopper's 227 KB of shared memory (Triton 3.6
+    for sm_90, 4 warps: at 4 stages a 256-column tile needs 233-449 KB, a 128-column one at most
+    179 KB; with these, the most is 205 KB, fp32 rows of 64)."""
+    return 4 if step <= 128 else 2
+
+
+def split_k(n: int, k: int, step: int) -> int:
     blocks, split = -(-n // BLOCK_N), 1
-    while blocks * split < MIN_PROGRAMS and split < MAX_SPLIT and k >= 2 * split * blocksize:
+    while blocks * split < MIN_PROGRAMS and split < MAX_SPLIT and k >= 2 * split * step:
         split *= 2
     return split
 
 
 def k_slices(n: int, k: int, blocksize: int, split: int | None = None) -> tuple[int, int]:
-    """(slices, columns per slice): whole blocks per slice, `split` slices at most."""
-    split = split or split_k(n, k, blocksize)
-    k_per = _cdiv(_cdiv(k, split), blocksize) * blocksize
+    """(slices, columns per slice): whole loop steps per slice, `split` slices at most."""
+    step = step_columns(blocksize)
+    split = split or split_k(n, k, step)
+    k_per = _cdiv(_cdiv(k, split), step) * step
     return _cdiv(k, k_per), k_per
 
 
@@ -221,6 +245,7 @@ def _launch(x, packed, absmax, code, absmax2, code2, offset, ns: list[int], bloc
 
     m, k = x.shape
     split, k_per = k_slices(sum(ns), k, blocksize, split)
+    per_step = blocks_per_step(k, blocksize)
     out = torch.empty(split, m, sum(ns), device=x.device, dtype=torch.float32)
     pad = 3 - len(ns)              # absent matrices: never read (no program maps to them)
     ns = list(ns) + [0] * pad
@@ -239,11 +264,12 @@ def _launch(x, packed, absmax, code, absmax2, code2, offset, ns: list[int], bloc
         NESTED=nested, W_DTYPE=getattr(tl, _TL_DTYPES[w_dtype]),
         X_DTYPE=getattr(tl, _TL_DTYPES[x.dtype]), EMULATE=not x.is_cuda,
         BLOCK_M=row_block(m), BLOCK_N=BLOCK_N, LORA=low_rank is not None, R=rank_block(ranks),
-        LA_SPLIT=la.shape[0] if low_rank is not None else 1, num_stages=pipeline_stages(blocksize))
+        LA_SPLIT=la.shape[0] if low_rank is not None else 1, BLOCKS_PER_STEP=per_step,
+        num_stages=pipeline_stages(blocksize * per_step))
     return out
 
 
-@torch.library.custom_op("flexrollout::gemv_4bit", mutates_args=())
+@custom_op("gemv_4bit")
 def gemv_4bit(x: torch.Tensor, packed: list[torch.Tensor], absmax: list[torch.Tensor],
               code: list[torch.Tensor], absmax2: list[torch.Tensor], code2: list[torch.Tensor],
               offset: list[torch.Tensor], blocksizes: str, nested: bool, w_dtype: torch.dtype,

@@ -59,7 +59,8 @@ def gemv_4bit_kernel(x_ptr, out_ptr,
                      BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr,
                      NESTED: tl.constexpr, W_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                      EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     LORA: tl.constexpr, R: tl.constexpr, LA_SPLIT: tl.constexpr):
+                     LORA: tl.constexpr, R: tl.constexpr, LA_SPLIT: tl.constexpr,
+                     BLOCKS_PER_STEP: tl.constexpr = 1):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # Which matrix this program's output block belongs to (q, k or v: one launch for all
@@ -85,33 +86,39 @@ def gemv_4bit_kernel(x_ptr, out_ptr,
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     HALF: tl.constexpr = BLOCKSIZE // 2
-    pairs = tl.arange(0, HALF)            # byte j of a block: elements 2j (high), 2j + 1 (low)
+    # A loop step covers BLOCKS_PER_STEP quantisation blocks of K: byte j of the step holds its
+    # elements 2j (high nibble) and 2j + 1 (low), and its scale is block j // HALF's.
+    STEP: tl.constexpr = BLOCKSIZE * BLOCKS_PER_STEP
+    pairs = tl.arange(0, STEP // 2)
+    blocks_in_step = tl.arange(0, BLOCKS_PER_STEP)
     precision: tl.constexpr = "ieee" if EMULATE or X_DTYPE == tl.float32 else None
     row_bytes = rows64[:, None] * (K // 2)
-    row_blocks = rows64 * (K // BLOCKSIZE)
+    row_blocks = rows64[:, None] * (K // BLOCKSIZE)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     k_start = pid_k * K_PER
     k_end = tl.minimum(k_start + K_PER, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     code = tl.broadcast_to(tl.load(code_ptr + tl.arange(0, 16))[None, :], (BLOCK_N, 16))
-    cols = tl.arange(0, BLOCKSIZE)
-    for k0 in range(k_start, k_end, BLOCKSIZE):
+    cols = tl.arange(0, STEP)
+    for k0 in range(k_start, k_end, STEP):       # (the launcher makes K and K_PER multiples of STEP)
         packed = tl.load(packed_ptr + row_bytes + (k0 // 2 + pairs)[None, :],
                          mask=row_ok[:, None], other=0).to(tl.int32)
-        block = row_blocks + k0 // BLOCKSIZE
-        scale = block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, row_ok,
+        scale = block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                            row_blocks + k0 // BLOCKSIZE + blocks_in_step[None, :], row_ok[:, None],
                             BLOCKSIZE2, NESTED, EMULATE)
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCKS_PER_STEP, HALF)),
+                           (BLOCK_N, STEP // 2))
         # Even elements are the high nibbles, odd ones the low, each looked up in the code held
         # in registers (a gather from memory per weight stalled every step: 174 against 25 us
         # for Qwen3-4B's q/k/v at one row, H100, benchmarks/gemv_4bit_probe.py).
-        w_even = as_bnb_weight(tl.gather(code, packed >> 4, axis=1) * scale[:, None],
+        w_even = as_bnb_weight(tl.gather(code, packed >> 4, axis=1) * scale,
                                W_DTYPE, X_DTYPE, EMULATE)
-        w_odd = as_bnb_weight(tl.gather(code, packed & 0xF, axis=1) * scale[:, None],
+        w_odd = as_bnb_weight(tl.gather(code, packed & 0xF, axis=1) * scale,
                               W_DTYPE, X_DTYPE, EMULATE)
-        # x's block in one contiguous load, split into its even and odd columns in registers
+        # x's step in one contiguous load, split into its even and odd columns in registers
         # (strided loads of each: 104 against 33 us at 64 rows, same probe).
         x_block = tl.load(x_rows + (k0 + cols)[None, :], mask=m_ok[:, None], other=0.0)
-        x_even, x_odd = tl.split(tl.reshape(x_block, (BLOCK_M, HALF, 2)))
+        x_even, x_odd = tl.split(tl.reshape(x_block, (BLOCK_M, STEP // 2, 2)))
         if EMULATE:
             x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
         acc += tl.dot(w_even, tl.trans(x_even), input_precision=precision)
