@@ -133,10 +133,9 @@ def bytes_per_step(llm, model, batch: int, context: float) -> float:
     return total
 
 
-# --quantization: bitsandbytes' 4-bit formats, and the architectures whose projections the
-# engine runs over Linear4bit (every decoder nn.Linear a q/k/v/o/gate/up/down projection).
+# --quantization: bitsandbytes' 4-bit formats (every architecture: the engine runs each decoder
+# nn.Linear over Linear4bit; stacked experts stay 16-bit, as bitsandbytes leaves them).
 QUANTIZATIONS = {"bnb-nf4": "nf4", "bnb-fp4": "fp4"}
-QUANTIZABLE_ARCHS = ("llama", "qwen3")
 QUANT_EXTRA_HINT = ("--quantization needs bitsandbytes: install flexrollout with its [quant] extra "
                     "(pip install '.[quant]' in the repository)")
 
@@ -149,7 +148,8 @@ def quantize_4bit(model, quant_type: str, double_quant: bool = True):
     Each layer's 16-bit weight is freed as it is replaced."""
     import bitsandbytes as bnb
 
-    for layer in model.model.layers:
+    body = getattr(model.model, "language_model", model.model)     # a multimodal wrapper's text model
+    for layer in body.layers:
         for parent in list(layer.modules()):
             for name, linear in list(parent.named_children()):
                 if type(linear) is not torch.nn.Linear:
@@ -402,11 +402,6 @@ def bench(args) -> dict:
     if tokenizer is None and "bad_words" in args.sampling_options.split(","):
         tokenizer, set_defaults = word_tokenizer(model.config.vocab_size), {"detokenize": False}
     if args.quantization:
-        from .model_files import UserError
-
-        if model.config.model_type not in QUANTIZABLE_ARCHS:
-            raise UserError(f"--quantization runs on {', '.join(QUANTIZABLE_ARCHS)} models for now, "
-                            f"not {model.config.model_type}")
         model = quantize_4bit(model, QUANTIZATIONS[args.quantization])
         result["quantization"] = args.quantization
         if device == "cuda":
@@ -640,10 +635,6 @@ def check_args(args) -> None:
         check_modules(["gguf"], DEMO_EXTRA_HINT)
     if args.quantization:
         check_modules(["bitsandbytes"], QUANT_EXTRA_HINT)
-        arch = PRESETS[args.preset]["arch"] if args.preset else None
-        if arch is not None and arch not in QUANTIZABLE_ARCHS:
-            raise UserError(f"--quantization runs on {', '.join(QUANTIZABLE_ARCHS)} presets for now, "
-                            f"not {args.preset} ({arch})")
     if args.model not in (None, "embedded"):
         check_model_path(args.model, args.gguf_file)
     for name in ("prompt_len", "max_tokens", "repeat", "hf_max_tokens", "threads"):

@@ -88,7 +88,6 @@ BAD_BENCH_FLAGS = [
     (["--max-tokens", "0"], "--max-tokens"),
     (["--preset", "tiny-llama", "--model", "embedded"], "--preset or --model"),
     (["--engine-args", "{async_decode: false}"], "--engine-args"),
-    (["--preset", "qwen3-30b-a3b", "--quantization", "bnb-nf4"], "--quantization runs on llama, qwen3"),
     (["--sampling-options", "none,greedy"], "--sampling-options: unknown greedy"),
     (["--sampling-options", "penalties", "--max-tokens", "4"], "min_tokens=8"),
 ]
@@ -146,6 +145,18 @@ def test_bench_quantized_preset_runs_beside_hf(capsys):
     dense = 2 * 512 * 64 * 4 + (2 * 2 + 1) * 64 * 4            # embed, head, norms
     assert packed + absmax + dense < result["weight_GB"] * 1e9 < packed + absmax + dense + 14 * 2200
     assert result["rows"][0]["hf_tok_s"] > 0 and result["quantization"] == "bnb-fp4"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+def test_bench_quantizes_every_architecture(capsys):
+    """--quantization is not limited to Llama / Qwen3 presets: Gemma-4's (per-layer inputs, shared
+    KV) runs quantised beside HF on the same 4-bit model."""
+    code, out, _ = run_cli(["bench", "--device", "cpu", "--preset", "tiny-gemma4", "--quantization", "bnb-nf4",
+                            "--compare", "hf", "--batch-sizes", "2", "--max-tokens", "3", "--prompt-len", "8",
+                            "--json", "-"], capsys)
+    assert code == 0 and "tiny-gemma4 float32 (bnb-nf4) on CPU" in out
+    result = __import__("json").loads(out[out.index("{"):])
+    assert result["rows"][0]["hf_tok_s"] > 0 and result["quantization"] == "bnb-nf4"
 
 
 def test_bench_times_decode_with_and_without_processors(capsys):

@@ -33,8 +33,10 @@ FORMATS = [("nf4", True), ("nf4", False), ("fp4", False)]
 
 
 def _children_of_type(model, kind):
-    """(parent, name, child) for every child of type `kind` inside the decoder layers."""
-    return [(parent, name, child) for layer in model.model.layers for parent in layer.modules()
+    """(parent, name, child) for every child of type `kind` inside the decoder layers (a
+    multimodal wrapper's are its language model's)."""
+    layers = getattr(model.model, "language_model", model.model).layers
+    return [(parent, name, child) for layer in layers for parent in layer.modules()
             for name, child in list(parent.named_children()) if type(child) is kind]
 
 
@@ -111,7 +113,8 @@ def _tiny(arch: str):
 
 
 ARCH_CASES = [("llama", *f) for f in FORMATS] + [
-    (arch, "nf4", True) for arch in ("qwen3_moe", "gpt_oss", "gemma4-e2b", "gemma4-moe", "qwen35-dense", "qwen35-moe")]
+    (arch, "nf4", True) for arch in ("qwen3_moe", "gpt_oss", "gemma4-e2b", "gemma4-moe", "gemma4-wrapper", "qwen35-dense",
+                                     "qwen35-moe")]
 
 
 @pytest.mark.parametrize("arch, quant_type, double_quant", ARCH_CASES)
