@@ -464,7 +464,7 @@ fla_lean)
       --json "$out/qwen35-$i.json" | tail -3; done > "$out/qwen35.txt"
   names="gpu tests qwen35" ;;
 fla_tests)
-  gputest 150 tests/test_qwen35.py -k fla_decode | tail -8 > "$out/tests.txt"
+  gputest "${LIMIT_FLA:-280}" tests/test_qwen35.py -k fla_decode | tail -8 > "$out/tests.txt"
   names="gpu tests" ;;
 e2b_ab)
   # From empty compile caches each: the old weight-shape default against the new one (prefill
