@@ -148,8 +148,9 @@ def quantize_4bit(model, quant_type: str, double_quant: bool = True):
     Each layer's 16-bit weight is freed as it is replaced."""
     import bitsandbytes as bnb
 
-    body = getattr(model.model, "language_model", model.model)     # a multimodal wrapper's text model
-    for layer in body.layers:
+    from .models.base import text_model
+
+    for layer in text_model(model).layers:
         for parent in list(layer.modules()):
             for name, linear in list(parent.named_children()):
                 if type(linear) is not torch.nn.Linear:

@@ -24,6 +24,7 @@ from conftest import (
 
 from flexrollout import LLM, SamplingParams
 from flexrollout.bench import quantize_4bit
+from flexrollout.models.base import text_model
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -35,8 +36,7 @@ FORMATS = [("nf4", True), ("nf4", False), ("fp4", False)]
 def _children_of_type(model, kind):
     """(parent, name, child) for every child of type `kind` inside the decoder layers (a
     multimodal wrapper's are its language model's)."""
-    layers = getattr(model.model, "language_model", model.model).layers
-    return [(parent, name, child) for layer in layers for parent in layer.modules()
+    return [(parent, name, child) for layer in text_model(model).layers for parent in layer.modules()
             for name, child in list(parent.named_children()) if type(child) is kind]
 
 

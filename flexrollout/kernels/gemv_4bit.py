@@ -13,10 +13,10 @@ size: every real model's widths are): each loop step covers whole blocks of K (1
 where K allows: two NF4 blocks), so a row's scales are a few values per step (nested or not,
 computed per row and block, not per element), and the step's bytes split into the high nibbles
 (even elements) and low nibbles (odd elements), which meet x's even and odd columns in two
-dots: no interleave and no per-element index arithmetic. What
-remains per element is one lookup in the 16-entry code, held in registers for the whole loop
-(`tl.gather`: a warp shuffle on sm_90), and the scale. x's block is one contiguous load, split
-into its even and odd columns in registers.
+dots: no interleave and no per-element index arithmetic. What remains per element is one lookup
+in the 16-entry code, held in registers for the whole loop (`tl.gather`: a warp shuffle on
+sm_90), and the scale. x's columns for the step are one contiguous load, split into its even
+and odd columns in registers.
 
 The weight each product sees is bitsandbytes' dequantised weight bit for bit (rounded to its
 dtype, then to x's); on CUDA the dots run in x's dtype with fp32 sums. Under Triton's interpreter

@@ -353,6 +353,13 @@ class DecoderForward:
         return any(gemv_ready(p) for layer in self._linears for p in layer.values())
 
 
+def text_model(hf_model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack (embeddings, layers, norm): `model` of a causal LM, `model.language_model`
+    of a multimodal wrapper (Gemma4ForConditionalGeneration, Qwen3.5's VLM)."""
+    body = hf_model.model
+    return getattr(body, "language_model", body)
+
+
 def _math_shape(stack: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
     """(experts, out, in) of a stacked expert parameter."""
     experts, d1, d2 = stack.shape

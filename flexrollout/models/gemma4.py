@@ -41,7 +41,7 @@ from ..layers.per_layer_input import (
 from ..layers.rope import apply_rope, tables_from_rotary
 from ..layers.softcap import softcap
 from ..spec import LayerSpec, ModelSpec
-from .base import DecoderForward, LayerFns, PerToken, Step
+from .base import DecoderForward, LayerFns, PerToken, Step, text_model
 
 logger = logging.getLogger(__name__)
 
@@ -138,13 +138,6 @@ def attention_out_mlp_moe(attn, residual, o: Linear, post_attn_w, pre_ff_w, gate
 
 
 # -- the architecture -------------------------------------------------------------------------
-def text_model(hf_model: torch.nn.Module) -> torch.nn.Module:
-    """The Gemma4TextModel: `model` of Gemma4ForCausalLM, `model.language_model` of the
-    multimodal Gemma4ForConditionalGeneration."""
-    body = hf_model.model
-    return getattr(body, "language_model", body)
-
-
 def kv_sources(layer_types: list[str], num_shared: int) -> list[int | None]:
     """Per layer, the layer whose KV it reads (None: its own). The last `num_shared` layers read
     the last earlier non-shared layer of the same type, as transformers' Gemma-4 does."""

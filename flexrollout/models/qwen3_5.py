@@ -29,7 +29,7 @@ from ..layers.moe import Experts, experts_forward, read_experts, route_softmax_t
 from ..layers.norm import LLAMA, OFFSET, rms_norm
 from ..layers.rope import apply_rope
 from ..spec import ATTENTION, LINEAR, LayerSpec, ModelSpec, StateSpec
-from .base import DecoderForward, LayerFns, Step
+from .base import DecoderForward, LayerFns, Step, text_model
 from .llama import attention_out_mlp
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -96,9 +96,7 @@ class Qwen3_5Forward(DecoderForward):
 
     def __init__(self, hf_model: torch.nn.Module, dtype: torch.dtype, merged=None,
                  linear_backend: str = "auto") -> None:
-        body = hf_model.model
-        # The multimodal wrapper keeps the decoder under model.language_model.
-        self.body = getattr(body, "language_model", body)
+        self.body = text_model(hf_model)
         self.config = hf_model.config.get_text_config()
         self.eps = self.config.rms_norm_eps
         self.act = activation(self.config.hidden_act)
