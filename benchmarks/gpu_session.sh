@@ -118,6 +118,9 @@
 #   qwen36_short : (carry .whl; an H200) Qwen3.6-35B-A3B decode at 1 / 8 against its MoE roofline
 #                  and HF (about 4 minutes)
 #   recheck_31b : Gemma-4-31B's real-width fp32 greedy test against HF alone (about 8 minutes)
+#   catchup : (carry .whl) tests only, no timings, so they may share the GPU: recheck_31b in the
+#             background while the 4-bit kernel's and fla_decode's GPU tests (never seen to pass since
+#             their last changes) run in the foreground (about 9 minutes)
 #   h200_targets : (carry .whl; an H200) Qwen3.6-35B-A3B, Gemma-4-E2B and 26B-A4B decode at 1 / 8 / 64
 #                  against their rooflines and HF: #19's and #20's H200 figures (about 10 minutes)
 #   h200_issue20 : (carry .whl; an H200) Qwen3.6-35B-A3B and Qwen3.5-4B decode at 1 / 8 / 64 against
@@ -555,6 +558,17 @@ recheck_31b)
   # limit) and has not run to its end since; alone, with room for its compiles.
   gputest "${LIMIT_31B:-560}" tests/test_gemma4.py -k "fp32_greedy and 31b" | tail -30 > "$out/tests.txt"
   names="gpu tests" ;;
+catchup)
+  # The test processes share the GPU (nothing here is timed) and the 16 cores (the 31B test's
+  # compiles are most of its minutes); each writes its own log.
+  limit=${LIMIT_31B:-560}
+  ( timeout "$limit" python3 -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider \
+      --session-timeout=$(( limit - 30 )) tests/test_gemma4.py -k "fp32_greedy and 31b" > "$out/31b.log" 2>&1
+    filter < "$out/31b.log" | tail -30 > "$out/tests.txt" ) &
+  gputest 240 tests/test_quant4bit.py -k "kernel_on_cuda or quant_kernels" | tail -6 > "$out/kernel_test.txt"
+  gputest "${LIMIT_FLA:-280}" tests/test_qwen35.py -k fla_decode | tail -8 > "$out/fla.txt"
+  wait
+  names="gpu tests kernel_test fla" ;;
 h200_targets)
   # #19's and #20's H200 decode figures in one call: Qwen3.6-35B-A3B (never measured), E2B at 64
   # rows (no H200 figure) and 26B-A4B (28.5% at batch 1 on the H200 before the MoE-kernel fixes).
