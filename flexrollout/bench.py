@@ -575,7 +575,8 @@ def table_lines(result: dict) -> list[str]:
     head = [f"{result['name']} {result['dtype']}{quant} on {where}, torch {result['torch']}: "
             f"weights {result['weight_GB']:.2f} GB, copy bandwidth {result['bandwidth_GBs']:.1f} GB/s, "
             f"start-up {result['startup_s']:.1f} s",
-            f"prompt {result['prompt_len']} tokens, {result['max_tokens']} new (greedy, EOS ignored)"]
+            f"prompt {result['prompt_len']} tokens, {result['max_tokens']} new (greedy, EOS ignored)"
+            + _memory_note(result)]
     columns = [c for c in COLUMNS if any(c[1] in row for row in result["rows"])]
     cells = [[title for title, _, _ in columns]]
     for row in result["rows"]:
@@ -583,6 +584,15 @@ def table_lines(result: dict) -> list[str]:
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     body = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in cells]
     return head + [""] + body
+
+
+def _memory_note(result: dict) -> str:
+    """The engine's memory beyond the model and its KV cache (CUDA runs measure it; #21 and #22
+    set targets on it), on the line every gpu_session.sh part keeps of the table."""
+    if "overhead_GB" not in result:
+        return ""
+    return (f"; engine memory beyond weights + KV {result['overhead_GB']:.2f} GB "
+            f"({result['overhead_pct_of_weights']:.1f}% of the weights)")
 
 
 def print_table(result: dict) -> None:

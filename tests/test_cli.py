@@ -209,6 +209,9 @@ def test_bench_table_is_rounded_with_units():
     assert lines[-2].split() == ["workload", "batch", "tok/s", "roofline", "tok/s", "%", "roofline",
                                  "HF", "tok/s", "x", "HF"]
     assert lines[-1].split() == ["decode", "8", "1,234.6", "2,345.7", "52.6", "400.1", "3.09"]
+    assert "engine memory" not in lines[1]                           # not measured off CUDA
+    measured = table_lines({**result, "overhead_GB": 0.2468, "overhead_pct_of_weights": 9.87})
+    assert measured[1].endswith("; engine memory beyond weights + KV 0.25 GB (9.9% of the weights)")
 
 
 # -- on the embedded model ---------------------------------------------------------------------
