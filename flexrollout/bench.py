@@ -376,6 +376,8 @@ def _load_model(args, dtype: torch.dtype, device: str, model_len: int):
 
 
 def bench(args) -> dict:
+    """Builds the engine over the chosen model and runs the asked workloads: the result's header
+    (machine, model, start-up, memory) and one row per decode batch / sampling set, GRPO, prefill."""
     from . import LLM, SamplingParams
 
     device = args.device          # resolved by check_args
@@ -383,37 +385,10 @@ def bench(args) -> dict:
         torch.set_num_threads(args.threads)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    result: dict = {"preset": args.preset, "model": args.model, "device": device, "dtype": args.dtype,
-                    "torch": torch.__version__, "kernel_options": args.kernel_options,
-                    "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
-    if device == "cuda":
-        result["gpu"] = torch.cuda.get_device_name()
-        result["bandwidth_GBs"] = measure_bandwidth(device) / 1e9
-    else:
-        result["cpu_threads"] = torch.get_num_threads()
-        # Far beyond any CPU cache, small enough for a laptop's memory.
-        result["bandwidth_GBs"] = measure_bandwidth(device, gib=0.5) / 1e9
-    grpo_tokens = args.grpo_max_tokens
+    result = _machine(args, device)
     model_len = model_length(args)
     t0 = time.perf_counter()
-    model, tokenizer, result["name"] = _load_model(args, dtype, device, model_len)
-    # Bad words are text: a random preset gets word_tokenizer to spell them. Its text is never
-    # read, so no set detokenizes (the sets stay comparable, and as before without a tokenizer).
-    set_defaults = {}
-    if tokenizer is None and "bad_words" in args.sampling_options.split(","):
-        tokenizer, set_defaults = word_tokenizer(model.config.vocab_size), {"detokenize": False}
-    if args.quantization:
-        model = quantize_4bit(model, QUANTIZATIONS[args.quantization])
-        result["quantization"] = args.quantization
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    if args.lora_rank:
-        from peft import LoraConfig, get_peft_model
-
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                                                 target_modules=targets)).eval()
-        result["lora"] = {"rank": args.lora_rank, "mode": args.lora_mode}
+    model, tokenizer, set_defaults = _prepared_model(args, dtype, device, model_len, result)
     weights = _weight_bytes(model)
     result["weight_GB"] = weights / 1e9
     vocab = model.config.vocab_size
@@ -441,93 +416,161 @@ def bench(args) -> dict:
     result["startup_s"] = time.perf_counter() - t1
     result["startup_compile_s"] = _compile_seconds()
     result["model_init_s"] = t1 - t0
-    rows = []
-    engine_peak = 0  # the HF baseline's own KV cache must not count as the engine's peak
     workloads = args.workload.split(",")
     option_sets = args.sampling_options.split(",")
     progress = _progress(len(batch_sizes) * len(option_sets) * ("decode" in workloads)
                          + ("grpo" in workloads) + ("prefill" in workloads))
-    decode_runs = [(batch, name) for batch in batch_sizes for name in option_sets]
+    rows, engine_peak = [], 0
     if "decode" in workloads:
-        for batch, name in decode_runs:
-            progress.set_description(f"decode, batch {batch}, sampling {name}")
-            rates = run_decode(llm, batch, args.prompt_len, args.max_tokens, vocab, args.repeat,
-                               {**set_defaults, **sampling_options(name, vocab)})
-            tok_s = max(rates)
-            ctx = args.prompt_len + args.max_tokens / 2
-            row = {"workload": "decode", "batch": batch, "tok_s": tok_s, **_spread(rates)}
-            if option_sets != ["none"]:
-                row["sampling"] = name
-            if "bandwidth_GBs" in result:
-                roof = batch * result["bandwidth_GBs"] * 1e9 / bytes_per_step(llm, model, batch, ctx)
-                row.update(roofline_tok_s=roof, roofline_pct=100 * tok_s / roof)
-            if args.compare == "hf":
-                engine_peak = max(engine_peak, _peak_bytes(device))
-                row["hf_tok_s"] = run_hf(model, batch, args.prompt_len, args.hf_max_tokens, vocab, device)
-                row["x_hf"] = tok_s / row["hf_tok_s"]
-                _peak_bytes(device)  # drop HF's own peak
-            rows.append(row)
-            progress.update()
-            logger.info("%s", format_row(row))
+        rows, engine_peak = _decode_rows(args, llm, model, batch_sizes, option_sets, set_defaults,
+                                         result, progress)
     if "grpo" in workloads:
-        progress.set_description("GRPO shape")
-        params = SamplingParams(n=8, temperature=1.0, max_tokens=grpo_tokens, logprobs=0, seed=None)
-        prompts = _prompts(8, GRPO_PROMPT_LEN, vocab, 3)
-        llm.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=8, logprobs=0), use_tqdm=False)
-        runs = []
-        for _ in range(args.repeat):
-            outs, elapsed = _timed_generate(llm, prompts, params)
-            generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
-            runs.append({"tok_s": generated / elapsed, "generated": generated, "seconds": elapsed})
-        best = max(runs, key=lambda run: run["tok_s"])
-        rows.append({"workload": "grpo", "batch": 64, "max_tokens": grpo_tokens, **best,
-                     **_spread([run["tok_s"] for run in runs])})
-        progress.update()
-        logger.info("%s", format_row(rows[-1]))
+        rows.append(_grpo_row(args, llm, vocab, progress))
     if "prefill" in workloads:
-        progress.set_description("prefill")
-        flops = measure_matmul(device) if device == "cuda" else None
-        prompts = _prompts(64, 512, vocab, 4)
-        llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-        _, elapsed = _timed_generate(llm, prompts, SamplingParams(temperature=0, max_tokens=1))
-        tokens_s = 64 * 512 / elapsed
-        row = {"workload": "prefill", "prefill_tok_s": tokens_s}
-        if flops:
-            params_count = parameter_count(model)
-            row.update(matmul_TFLOPs=flops / 1e12, mfu_pct=100 * tokens_s * 2 * params_count / flops)
-        rows.append(row)
-        progress.update()
-        logger.info("%s", format_row(row))
+        rows.append(_prefill_row(llm, model, vocab, device, progress))
     progress.close()
     result["rows"] = rows
     graphs = llm.llm_engine.runner.graphs
     result["graph_capture_s"] = graphs.capture_seconds if graphs is not None else 0.0
     if device == "cuda":
-        peak = max(engine_peak, torch.cuda.max_memory_allocated())
-        cache = llm.llm_engine.cache_bytes
-        result["peak_GB"] = peak / 1e9
-        result["kv_cache_GB"] = cache / 1e9
-        result["model_allocated_GB"] = model_bytes / 1e9
-        # Graph pools keep their blocks reserved while idle (a replay reuses them unseen by the
-        # allocated counter), so the idle part adds to any peak outside a replay.
-        pool_idle = _graph_pool_idle_bytes()
-        result["graph_pool_idle_GB"] = pool_idle / 1e9
-        # What the engine adds beyond the model and its KV cache (graph pools, cuBLAS
-        # workspaces, activations, logits; merged LoRA copies), as a fraction of the weights.
-        overhead = peak + pool_idle - model_bytes - cache
-        result["overhead_GB"] = overhead / 1e9
-        result["overhead_pct_of_weights"] = 100 * overhead / weights
-        # Of that overhead, what stays between steps (graph pools, workspaces, rope tables,
-        # static buffers); the rest is one step's transient activations.
-        resident = torch.cuda.memory_allocated() + pool_idle - model_bytes - cache
-        result["resident_overhead_GB"] = resident / 1e9
-        # What the allocator held from the driver at most, cached free blocks included (those
-        # serve the trainer's next allocations in the same process).
-        result["reserved_overhead_GB"] = (torch.cuda.max_memory_reserved() - model_bytes - cache) / 1e9
+        result.update(_memory_figures(llm, engine_peak, model_bytes, weights))
         if args.memory_snapshot:
             torch.cuda.memory._dump_snapshot(args.memory_snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
     return result
+
+
+def _machine(args, device: str) -> dict:
+    """The result's header: what runs where, and the copy bandwidth the roofline divides."""
+    result: dict = {"preset": args.preset, "model": args.model, "device": device, "dtype": args.dtype,
+                    "torch": torch.__version__, "kernel_options": args.kernel_options,
+                    "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
+    if device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
+        result["bandwidth_GBs"] = measure_bandwidth(device) / 1e9
+    else:
+        result["cpu_threads"] = torch.get_num_threads()
+        # Far beyond any CPU cache, small enough for a laptop's memory.
+        result["bandwidth_GBs"] = measure_bandwidth(device, gib=0.5) / 1e9
+    return result
+
+
+def _prepared_model(args, dtype: torch.dtype, device: str, model_len: int, result: dict):
+    """(model, tokenizer, sampling defaults): the chosen model, quantised to 4 bits and wrapped
+    in a PEFT adapter when asked (noted in `result`)."""
+    model, tokenizer, result["name"] = _load_model(args, dtype, device, model_len)
+    # Bad words are text: a random preset gets word_tokenizer to spell them. Its text is never
+    # read, so no set detokenizes (the sets stay comparable, and as before without a tokenizer).
+    set_defaults = {}
+    if tokenizer is None and "bad_words" in args.sampling_options.split(","):
+        tokenizer, set_defaults = word_tokenizer(model.config.vocab_size), {"detokenize": False}
+    if args.quantization:
+        model = quantize_4bit(model, QUANTIZATIONS[args.quantization])
+        result["quantization"] = args.quantization
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if args.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                                 target_modules=targets)).eval()
+        result["lora"] = {"rank": args.lora_rank, "mode": args.lora_mode}
+    return model, tokenizer, set_defaults
+
+
+def _decode_rows(args, llm, model, batch_sizes: list[int], option_sets: list[str], set_defaults: dict,
+                 result: dict, progress) -> tuple[list[dict], int]:
+    """A row per (batch, sampling set): best tok/s of the repeats, against the roofline and
+    (--compare hf) HF generate; and the engine's peak bytes, HF's own left out."""
+    vocab = model.config.vocab_size
+    rows, engine_peak = [], 0
+    for batch, name in [(batch, name) for batch in batch_sizes for name in option_sets]:
+        progress.set_description(f"decode, batch {batch}, sampling {name}")
+        rates = run_decode(llm, batch, args.prompt_len, args.max_tokens, vocab, args.repeat,
+                           {**set_defaults, **sampling_options(name, vocab)})
+        tok_s = max(rates)
+        ctx = args.prompt_len + args.max_tokens / 2
+        row = {"workload": "decode", "batch": batch, "tok_s": tok_s, **_spread(rates)}
+        if option_sets != ["none"]:
+            row["sampling"] = name
+        if "bandwidth_GBs" in result:
+            roof = batch * result["bandwidth_GBs"] * 1e9 / bytes_per_step(llm, model, batch, ctx)
+            row.update(roofline_tok_s=roof, roofline_pct=100 * tok_s / roof)
+        if args.compare == "hf":
+            engine_peak = max(engine_peak, _peak_bytes(args.device))
+            row["hf_tok_s"] = run_hf(model, batch, args.prompt_len, args.hf_max_tokens, vocab, args.device)
+            row["x_hf"] = tok_s / row["hf_tok_s"]
+            _peak_bytes(args.device)  # drop HF's own peak
+        rows.append(row)
+        progress.update()
+        logger.info("%s", format_row(row))
+    return rows, engine_peak
+
+
+def _grpo_row(args, llm, vocab: int, progress) -> dict:
+    """The GRPO shape: 8 prompts x n=8 sampled at temperature 1 with logprobs, best of the repeats."""
+    from . import SamplingParams
+
+    progress.set_description("GRPO shape")
+    params = SamplingParams(n=8, temperature=1.0, max_tokens=args.grpo_max_tokens, logprobs=0, seed=None)
+    prompts = _prompts(8, GRPO_PROMPT_LEN, vocab, 3)
+    llm.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=8, logprobs=0), use_tqdm=False)
+    runs = []
+    for _ in range(args.repeat):
+        outs, elapsed = _timed_generate(llm, prompts, params)
+        generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        runs.append({"tok_s": generated / elapsed, "generated": generated, "seconds": elapsed})
+    best = max(runs, key=lambda run: run["tok_s"])
+    row = {"workload": "grpo", "batch": 64, "max_tokens": args.grpo_max_tokens, **best,
+           **_spread([run["tok_s"] for run in runs])}
+    progress.update()
+    logger.info("%s", format_row(row))
+    return row
+
+
+def _prefill_row(llm, model, vocab: int, device: str, progress) -> dict:
+    """Prefill of 64 prompts of 512 tokens; on CUDA its model FLOP utilisation."""
+    from . import SamplingParams
+
+    progress.set_description("prefill")
+    flops = measure_matmul(device) if device == "cuda" else None
+    prompts = _prompts(64, 512, vocab, 4)
+    llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    _, elapsed = _timed_generate(llm, prompts, SamplingParams(temperature=0, max_tokens=1))
+    tokens_s = 64 * 512 / elapsed
+    row = {"workload": "prefill", "prefill_tok_s": tokens_s}
+    if flops:
+        params_count = parameter_count(model)
+        row.update(matmul_TFLOPs=flops / 1e12, mfu_pct=100 * tokens_s * 2 * params_count / flops)
+    progress.update()
+    logger.info("%s", format_row(row))
+    return row
+
+
+def _memory_figures(llm, engine_peak: int, model_bytes: int, weights: int) -> dict:
+    """CUDA memory of the run: peak, KV cache, and what the engine adds beyond the model and
+    its cache (#21's and #22's targets are on that overhead)."""
+    peak = max(engine_peak, torch.cuda.max_memory_allocated())
+    cache = llm.llm_engine.cache_bytes
+    figures = {"peak_GB": peak / 1e9, "kv_cache_GB": cache / 1e9, "model_allocated_GB": model_bytes / 1e9}
+    # Graph pools keep their blocks reserved while idle (a replay reuses them unseen by the
+    # allocated counter), so the idle part adds to any peak outside a replay.
+    pool_idle = _graph_pool_idle_bytes()
+    figures["graph_pool_idle_GB"] = pool_idle / 1e9
+    # What the engine adds beyond the model and its KV cache (graph pools, cuBLAS
+    # workspaces, activations, logits; merged LoRA copies), as a fraction of the weights.
+    overhead = peak + pool_idle - model_bytes - cache
+    figures["overhead_GB"] = overhead / 1e9
+    figures["overhead_pct_of_weights"] = 100 * overhead / weights
+    # Of that overhead, what stays between steps (graph pools, workspaces, rope tables,
+    # static buffers); the rest is one step's transient activations.
+    resident = torch.cuda.memory_allocated() + pool_idle - model_bytes - cache
+    figures["resident_overhead_GB"] = resident / 1e9
+    # What the allocator held from the driver at most, cached free blocks included (those
+    # serve the trainer's next allocations in the same process).
+    figures["reserved_overhead_GB"] = (torch.cuda.max_memory_reserved() - model_bytes - cache) / 1e9
+    return figures
 
 
 def _graph_pool_idle_bytes() -> int:
