@@ -560,11 +560,8 @@ recheck_31b)
   names="gpu tests" ;;
 catchup)
   # The test processes share the GPU (nothing here is timed) and the 16 cores (the 31B test's
-  # compiles are most of its minutes); each writes its own log.
-  limit=${LIMIT_31B:-560}
-  ( timeout "$limit" python3 -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider \
-      --session-timeout=$(( limit - 30 )) tests/test_gemma4.py -k "fp32_greedy and 31b" > "$out/31b.log" 2>&1
-    filter < "$out/31b.log" | tail -30 > "$out/tests.txt" ) &
+  # compiles are most of its minutes); each keeps its own summary (full.log interleaves them).
+  gputest "${LIMIT_31B:-560}" tests/test_gemma4.py -k "fp32_greedy and 31b" | tail -30 > "$out/tests.txt" &
   gputest 240 tests/test_quant4bit.py -k "kernel_on_cuda or quant_kernels" | tail -6 > "$out/kernel_test.txt"
   gputest "${LIMIT_FLA:-280}" tests/test_qwen35.py -k fla_decode | tail -8 > "$out/fla.txt"
   wait
