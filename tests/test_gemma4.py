@@ -469,7 +469,9 @@ def test_presets_have_the_real_layouts():
     from flexrollout.models import build_forward
     from flexrollout.models.gemma4_presets import rows_only_weights
 
-    e2b = build_forward(_preset_model("gemma-4-e2b", torch.bfloat16, "meta"), torch.bfloat16).spec.layers
+    e2b_model = _preset_model("gemma-4-e2b", torch.bfloat16, "meta")
+    assert [t.shape for t in rows_only_weights(e2b_model)] == [(262144, 35 * 256)]
+    e2b = build_forward(e2b_model, torch.bfloat16).spec.layers
     assert [l.window for l in e2b[:5]] == [512] * 4 + [None] and e2b[-1].window is None
     assert [l.kv_source for l in e2b[15:20]] == [13] * 4 + [14] and e2b[34].kv_source == 14
     assert KVCache.bytes_per_token(e2b, torch.bfloat16) == (12 * 2 * 256 + 3 * 2 * 512) * 2

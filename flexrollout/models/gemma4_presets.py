@@ -69,8 +69,9 @@ def gemma4_config(p: dict, max_position_embeddings: int = 8192, num_layers: int 
 def rows_only_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     """Tables a decode step reads only at the batch's token rows: Gemma-4's per-layer input
     embedding (E2B: 262144 x 35·256, 4.7 GB in bf16, more than the rest of the model)."""
-    body = getattr(model, "model", None)
-    table = getattr(getattr(body, "language_model", body), "embed_tokens_per_layer", None)
+    from .base import text_model
+
+    table = getattr(text_model(model), "embed_tokens_per_layer", None)
     return [table.weight] if table is not None else []
 
 
